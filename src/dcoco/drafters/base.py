@@ -1,0 +1,79 @@
+"""What a drafter receives and returns. The engine owns the target and its cache; a drafter only
+sees accepted tokens and the target features it asked for, and proposes a block of tokens."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class DraftInput:
+    """One drafting step for a batch of requests (row b is request `request_ids[b]`).
+
+    `token_ids[b]` is the request's whole sequence (prompt + generated); its last token is the one
+    the target has not processed yet (the anchor of the next block). `new_features[b]` holds the
+    target features (n, F) of the tokens that entered the target's cache since the previous call
+    for that request (at the first call: the whole prompt), in order, or None when the drafter taps
+    no layers.
+    """
+
+    request_ids: list[int]
+    token_ids: list[list[int]]
+    new_features: list[Optional[torch.Tensor]]
+    num_tokens: int
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+
+
+@dataclass
+class DraftOutput:
+    """Row b proposes `tokens[b, :lengths[b]]`; `probs` (B, G, V) are the distributions the tokens were
+    sampled from, or None for deterministic drafts (verified as one-hot)."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def empty(batch: int) -> "DraftOutput":
+        return DraftOutput(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+
+
+class Drafter(ABC):
+    """Base class of every drafter.
+
+    `tap_layers` lists the target `hidden_states` indices the drafter needs (see `dcoco.target`);
+    an empty tuple means the drafter is model-free.
+    """
+
+    method: str = ""
+    tap_layers: tuple[int, ...] = ()
+    default_num_tokens: int = 5
+
+    @abstractmethod
+    def propose(self, inp: DraftInput) -> DraftOutput:
+        """Propose up to `inp.num_tokens` tokens per request."""
+
+    def release(self, request_id: int) -> None:
+        """The request finished or was cancelled: drop any state kept for it."""
+
+    def check_target(self, target) -> None:
+        """Raise `DrafterMismatchError` if this drafter was not made for `target`."""
+
+
+def pad_rows(rows: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged token lists into (B, width) plus their lengths."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    lens = torch.zeros(len(rows), dtype=torch.long)
+    for b, r in enumerate(rows):
+        r = list(r)[:width]
+        if r:
+            out[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lens[b] = len(r)
+    return out, lens

@@ -1,0 +1,206 @@
+"""The target model: a Hugging Face causal LM behind prefill / verify / rollback, plus feature taps.
+
+Layer index convention (used everywhere in dcoco): a *tap* index `i` names Hugging Face's
+`hidden_states[i]` of a forward with `output_hidden_states=True`, i.e. `0` is the embedding output
+and `i >= 1` is the output of decoder layer `i - 1` (before the final norm). Drafter checkpoints
+that use a published convention convert to this one when they load.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .errors import InvalidPromptError, ModelNotFoundError, PromptTooLongError
+from .kv import KVBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # (B, q, V) float32
+    features: Optional[torch.Tensor]  # (B, q, len(taps) * H) or None when nothing is tapped
+
+
+class Target:
+    """A causal LM that scores token blocks on a per-request KV cache.
+
+    Works with any `AutoModelForCausalLM` whose decoder layers live in `model.model.layers` and that
+    accepts a 4-D attention mask and explicit position ids (Llama, Qwen2/3, Mistral, ...).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config.get_text_config()
+        self.config = cfg
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 4096))
+        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._taps: tuple[int, ...] = ()
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        self.eos_token_ids = self._eos_ids()
+
+    # -- loading -----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, path: Optional[str] = None, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+    ) -> "Target":
+        """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct)."""
+        from .models import default_model_dir
+
+        path = str(path) if path is not None else str(default_model_dir())
+        if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelNotFoundError(f"model directory not found or has no config.json: {path}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
+        model.to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+        return cls(model, tokenizer)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # -- text --------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True) -> list[int]:
+        """Token ids for a prompt: a string (wrapped in the chat template when `chat` and the
+        tokenizer has one), a list of chat messages, or token ids as they are."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = [int(t) for t in prompt]
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise InvalidPromptError(f"token ids must be in [0, {self.vocab_size})")
+            return ids
+        if self.tokenizer is None:
+            raise InvalidPromptError("this model has no tokenizer: pass token ids")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidPromptError("the prompt is empty")
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            messages, chat = list(prompt), True
+        else:
+            raise InvalidPromptError("a prompt must be a non-empty string, chat messages or token ids")
+        if chat and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(messages[-1]["content"])["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def check_fits(self, prompt_len: int, room: int = 1) -> None:
+        if prompt_len + room > self.max_context:
+            raise PromptTooLongError(
+                f"prompt has {prompt_len} tokens; with {room} more it exceeds the model context of {self.max_context}"
+            )
+
+    # -- feature taps -------------------------------------------------------------------------
+    def set_taps(self, taps: Sequence[int]) -> None:
+        """Capture `hidden_states[i]` for each i in `taps` on every forward (see module docstring)."""
+        taps = tuple(int(i) for i in taps)
+        if taps == self._taps:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._captured = [], {}
+        for i in taps:
+            if not 0 <= i <= self.num_layers:
+                raise ValueError(f"tap index {i} outside [0, {self.num_layers}]")
+        layers = self.model.model.layers
+        for i in taps:
+            module = self.model.model.embed_tokens if i == 0 else layers[i - 1]
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
+        self._taps = taps
+
+    def _make_hook(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self._taps
+
+    # -- forward -----------------------------------------------------------------------------
+    def new_batch(self) -> KVBatch:
+        return KVBatch(self.num_layers, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self, kv: KVBatch, tokens: torch.Tensor, num_tokens: torch.Tensor, logits_at: Optional[torch.Tensor] = None
+    ) -> ForwardOutput:
+        """Run `tokens` (B, q) on top of `kv`; row b's first `num_tokens[b]` tokens are real.
+
+        The q new slots are pending until `kv.commit(keep)`. Logits are computed only at the
+        positions `logits_at` (1-D shared by all rows, or (B, n) per row; default all): prefill needs
+        just the last real token of each row, and the LM head is a large share of a small model's cost.
+        """
+        tokens = tokens.to(self.device)
+        position_ids, mask = kv.begin(num_tokens, tokens.shape[1], self.sliding_window)
+        if self.config._attn_implementation != "sdpa" and self.config._attn_implementation != "flash_attention_2":
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
+        self._captured = {}
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=kv.cache,
+            use_cache=True,
+            logits_to_keep=logits_at.to(self.device) if logits_at is not None else 0,
+        )
+        feats = None
+        if self._taps:
+            feats = torch.cat([self._captured[i] for i in self._taps], dim=-1)
+        return ForwardOutput(logits=out.logits.float(), features=feats)
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[KVBatch, ForwardOutput]:
+        """A new batch holding `prompts` (right-padded); returns last-token logits (B, V) and the
+        features of every prompt token (B, Lmax, F) (rows past their length are padding)."""
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        L = int(lens.max())
+        tokens = torch.zeros(len(prompts), L, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        kv = self.new_batch()
+        out = self.forward(kv, tokens, lens, logits_at=(lens - 1).unsqueeze(1))
+        kv.commit(lens)
+        last = out.logits[:, 0]
+        return kv, ForwardOutput(logits=last, features=out.features)
+
+
+def _has_tokenizer(path: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.exists(os.path.join(path, n)) for n in names)
