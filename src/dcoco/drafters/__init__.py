@@ -1,0 +1,96 @@
+"""Drafter families and the registry that builds one from a `speculative_config`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from ..errors import ConfigError, UnknownMethodError
+from .base import DraftInput, DraftOutput, Drafter
+from .ngram import NgramDrafter
+
+#: every method name dcoco knows, in the order a user would reach for them
+METHODS = ("vanilla", "ngram", "eagle3", "dflash", "dspark", "dcoco")
+
+
+class SpeculativeConfig(BaseModel):
+    """Mirrors vLLM's `speculative_config`: `method`, `model` (drafter checkpoint directory; None uses
+    the checkpoint shipped for the embedded target), `num_speculative_tokens` (None: the drafter's
+    default), and the n-gram window `prompt_lookup_max` / `prompt_lookup_min`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = "vanilla"
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise UnknownMethodError(f"unknown method {v!r}; choose one of {', '.join(METHODS)}")
+        return v
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not 0 <= v <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {v}")
+        return v
+
+    @classmethod
+    def parse(cls, cfg: "SpeculativeConfig | dict | None") -> "SpeculativeConfig":
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, SpeculativeConfig):
+            return cfg
+        if isinstance(cfg, dict) and cfg.get("method") is not None and cfg["method"] not in METHODS:
+            raise UnknownMethodError(f"unknown method {cfg['method']!r}; choose one of {', '.join(METHODS)}")
+        try:
+            return cls(**cfg)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "speculative_config"
+            raise ConfigError(f"invalid speculative_config.{loc}: {err['msg']}") from None
+
+
+def available_methods() -> list[str]:
+    """Methods that can run in this build (trained drafters need their implementation)."""
+    return [m for m in METHODS if m in ("vanilla", "ngram") or m in _TRAINED]
+
+
+# trained drafter families register a loader here: method -> fn(path | None, target) -> Drafter
+_TRAINED: dict = {}
+
+
+def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
+    """Build the drafter a config names (None for vanilla)."""
+    if cfg.method == "vanilla":
+        return None
+    if cfg.method == "ngram":
+        try:
+            return NgramDrafter(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.method not in _TRAINED:
+        raise UnknownMethodError(
+            f"method {cfg.method!r} is not available in this build; available: {', '.join(available_methods())}"
+        )
+    drafter = _TRAINED[cfg.method](cfg.model, target)
+    drafter.check_target(target)
+    return drafter
+
+
+__all__ = [
+    "METHODS",
+    "Drafter",
+    "DraftInput",
+    "DraftOutput",
+    "NgramDrafter",
+    "SpeculativeConfig",
+    "available_methods",
+    "load_drafter",
+]
