@@ -4,7 +4,8 @@ Speculative decoding appends a whole draft block for every request, then keeps a
 of it per request. Instead of re-running or padding, rejected slots simply become *holes*: each row
 carries a validity mask and the position of every slot, and attention is masked accordingly (a
 4-D mask passed straight to the Hugging Face model). Trailing holes shared by all rows are cropped at
-once; when holes make up too much of the cache it is compacted with one gather per layer. With one
+once; when compaction would free more than a quarter of the slots, the cache is compacted with
+one gather per layer. With one
 request there are never holes: rejection is a plain crop.
 
 Layers are preallocated and grown by doubling, so a decode step writes in place instead of
@@ -147,9 +148,11 @@ class KVBatch:
             for layer in self.cache.layers:
                 layer.crop(-drop)
             self.valid, self.pos = self.valid[:, :last], self.pos[:, :last]
-        holes = self.valid.numel() - int(self.valid.sum())
-        if self.valid.numel() and holes > self.COMPACT_HOLE_FRACTION * self.valid.numel():
-            self.compact()
+        # compaction can shrink the cache to the longest row; left padding of shorter rows stays
+        if self.valid.numel():
+            reclaimable = self.num_slots - int(self.valid.sum(1).max())
+            if reclaimable > self.COMPACT_HOLE_FRACTION * self.num_slots:
+                self.compact()
 
     def compact(self) -> None:
         """Move each row's committed slots to the right end, in order (left padding)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from ..errors import ConfigError, UnknownMethodError
+from ..errors import ConfigError, ModelNotFoundError, UnknownMethodError
 from .base import DraftInput, DraftOutput, Drafter
 from .ngram import NgramDrafter
 
@@ -57,13 +58,35 @@ class SpeculativeConfig(BaseModel):
             raise ConfigError(f"invalid speculative_config.{loc}: {err['msg']}") from None
 
 
+#: checkpoints shipped for the embedded target, one directory per method
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "smollm2-135m-instruct"
+
+
+def shipped_checkpoint(method: str) -> Optional[Path]:
+    p = SHIPPED_DIR / method
+    return p if (p / "config.json").exists() and (p / "model.safetensors").exists() else None
+
+
+def _load_block_drafter(method: str):
+    def load(path: Optional[str], target) -> Drafter:
+        from .dflash import BlockDrafter, load_dflash
+
+        ckpt = path or shipped_checkpoint(method)
+        if ckpt is None:
+            raise ModelNotFoundError(f"no {method} checkpoint is shipped in this build; pass one with --drafter PATH")
+        model, _ = load_dflash(ckpt, dtype=target.dtype)
+        return BlockDrafter(model.to(target.device), target)
+
+    return load
+
+
+# trained drafter families: method -> loader(path | None, target) -> Drafter
+_TRAINED: dict = {"dflash": _load_block_drafter("dflash")}
+
+
 def available_methods() -> list[str]:
-    """Methods that can run in this build (trained drafters need their implementation)."""
-    return [m for m in METHODS if m in ("vanilla", "ngram") or m in _TRAINED]
-
-
-# trained drafter families register a loader here: method -> fn(path | None, target) -> Drafter
-_TRAINED: dict = {}
+    """Methods that run out of the box on the embedded target (trained ones need a shipped checkpoint)."""
+    return [m for m in METHODS if m in ("vanilla", "ngram") or (m in _TRAINED and shipped_checkpoint(m))]
 
 
 def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
@@ -76,9 +99,7 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.method not in _TRAINED:
-        raise UnknownMethodError(
-            f"method {cfg.method!r} is not available in this build; available: {', '.join(available_methods())}"
-        )
+        raise UnknownMethodError(f"method {cfg.method!r} is not implemented yet; available: {', '.join(available_methods())}")
     drafter = _TRAINED[cfg.method](cfg.model, target)
     drafter.check_target(target)
     return drafter

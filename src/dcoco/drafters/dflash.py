@@ -1,0 +1,341 @@
+"""DFlash: a parallel block drafter conditioned on the target's hidden states.
+
+Published design (Chen et al., "DFlash: Block Diffusion for Flash Speculative Decoding"):
+- n target layers are tapped, concatenated and fused by Linear(n*H -> H, no bias) + RMSNorm into a
+  context feature per accepted token;
+- the block is [anchor token, MASK x (B-1)], embedded with the target's frozen embedding table;
+  slot k predicts the token at anchor + k;
+- every drafter layer attends from the block to [context K/V ; block K/V] (context K/V come from
+  the fused feature through that layer's own K/V projections), bidirectionally inside the block;
+- the output goes through the drafter's final norm and the target's frozen LM head.
+
+`target_layer_ids` use the published convention: 0-based decoder-layer indices, i.e. the output
+of decoder layer i, which is dcoco tap index i + 1 (`hidden_states[i + 1]`).
+
+`DFlashModel` is the backbone that DSpark and DCOCO reuse; `BlockDrafter` is the inference side
+(per-request context caches, batching) with a `select` hook the families override.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import DrafterMismatchError, ModelNotFoundError
+from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
+from ..sampling import probabilities
+from ..verify import draw_uniforms, sample_from
+from .base import DraftInput, DraftOutput, Drafter
+from .checkpoint import load_checkpoint, save_checkpoint
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """n decoder layers evenly spaced from layer 1 to layer L-3 (the published default)."""
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+
+
+class DFlashConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int = 2
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    vocab_size: int
+    num_target_layers: int
+    block_size: int = 16
+    target_layer_ids: list[int]
+    mask_token_id: int
+    qk_norm: bool = True
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+    @classmethod
+    def for_target(cls, target, num_layers: int = 2, block_size: int = 16, num_features: int = 5,
+                   mask_token_id: Optional[int] = None, intermediate_size: Optional[int] = None) -> "DFlashConfig":
+        cfg = target.config
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"DFlash drafter supports default RoPE only, target uses {rope.get('rope_type')}")
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        heads = cfg.num_attention_heads
+        return cls(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=intermediate_size or cfg.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", heads),
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=target.max_context,
+            vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers,
+            block_size=block_size,
+            target_layer_ids=default_target_layer_ids(target.num_layers, num_features),
+            mask_token_id=mask_token_id if mask_token_id is not None else pick_mask_token(target),
+        )
+
+    # -- HF-style config.json (field names as vLLM / SpecForge DFlash checkpoints) ----------------
+    def to_hf(self, method: str = "dflash", extra: Optional[dict] = None) -> dict:
+        d = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "is_causal": False,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "dcoco_method": method,
+            "dcoco_qk_norm": self.qk_norm,
+        }
+        d.update(extra or {})
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "DFlashConfig":
+        dc = d.get("dflash_config", {})
+        try:
+            return cls(
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"],
+                num_attention_heads=d["num_attention_heads"],
+                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=d.get("rope_theta", d.get("rope_parameters", {}).get("rope_theta", 10000.0)),
+                max_position_embeddings=d.get("max_position_embeddings", 8192),
+                vocab_size=d["vocab_size"],
+                num_target_layers=d["num_target_layers"],
+                block_size=dc.get("block_size", d.get("block_size", 16)),
+                target_layer_ids=dc["target_layer_ids"],
+                mask_token_id=dc["mask_token_id"],
+                qk_norm=d.get("dcoco_qk_norm", True),
+            )
+        except KeyError as e:
+            raise ModelNotFoundError(f"drafter config.json lacks field {e.args[0]!r}") from None
+
+
+def pick_mask_token(target) -> int:
+    """A token the chat model never needs, used as the MASK slot (its frozen embedding is an input
+    the drafter learns to read). Prefer a dedicated mask token, then a rarely used special token."""
+    tok = target.tokenizer
+    if tok is not None:
+        if tok.mask_token_id is not None:
+            return int(tok.mask_token_id)
+        for name in ("<empty_output>", "<|MASK|>", "<mask>", "<|fim_pad|>"):
+            i = tok.convert_tokens_to_ids(name)
+            if isinstance(i, int) and i != tok.unk_token_id and 0 <= i < target.vocab_size:
+                return i
+    return target.vocab_size - 1
+
+
+class DFlashModel(nn.Module):
+    """The DFlash backbone: fuse target features into context, run the block through the layers."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DraftDecoderLayer(H, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                              cfg.head_dim, cfg.rms_norm_eps, cfg.qk_norm)
+            for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V for target features (N, T, n*H) at `positions` (N, T)."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rope(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_emb: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Hidden states (N, M, H) after the final norm for query embeddings (N, M, H) at `positions`
+        (N, M); `mask` (N, 1, M, T + M) as in `ContextAttention` (None: everything visible)."""
+        cos, sin = self.rope(positions, block_emb.dtype)
+        x = block_emb
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+
+def inference_mask(ctx_lens: torch.Tensor, T: int, B: int) -> torch.Tensor:
+    """(N, 1, B, T + B): each block sees its request's first ctx_lens[n] context slots and itself."""
+    N = ctx_lens.shape[0]
+    ctx = torch.arange(T).unsqueeze(0) < ctx_lens.unsqueeze(1)
+    return torch.cat([ctx.view(N, 1, 1, T).expand(N, 1, B, T), torch.ones(N, 1, B, B, dtype=torch.bool)], dim=-1)
+
+
+def training_mask(anchors: torch.Tensor, T: int, B: int) -> torch.Tensor:
+    """(S, 1, A*B, T + A*B) for A blocks per sequence: block j sees context slots < anchors[s, j]
+    (strictly before its anchor; the anchor itself is the block's first token) and, bidirectionally,
+    only its own B slots. Anchors < 0 mark padding blocks, which see only themselves."""
+    S, A = anchors.shape
+    ctx = torch.arange(T).view(1, 1, T) < anchors.unsqueeze(2)  # (S, A, T)
+    ctx = ctx.unsqueeze(2).expand(S, A, B, T).reshape(S, A * B, T)
+    blk = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * A)  # (A*B, A*B)
+    return torch.cat([ctx, blk.unsqueeze(0).expand(S, -1, -1)], dim=-1).unsqueeze(1)
+
+
+class BlockDrafter(Drafter):
+    """Inference for DFlash-family drafters: keeps each request's context K/V, drafts a block for
+    the batch in one pass, and leaves token choice to `select` (argmax / sampling for DFlash)."""
+
+    method = "dflash"
+
+    def __init__(self, model: DFlashModel, target):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+        self.tap_layers = self.cfg.taps
+        self.default_num_tokens = self.cfg.block_size - 1
+        self.dtype = next(model.parameters()).dtype
+        self.ctx: dict[int, list[list[torch.Tensor]]] = {}  # request -> per layer [k, v] (1, h, T, d)
+        self.ctx_len: dict[int, int] = {}
+
+    # -- compatibility ---------------------------------------------------------------------------
+    def check_target(self, target) -> None:
+        c = self.cfg
+        if c.vocab_size != target.vocab_size:
+            raise DrafterMismatchError(f"drafter vocabulary {c.vocab_size} != target vocabulary {target.vocab_size}")
+        if c.hidden_size != target.hidden_size:
+            raise DrafterMismatchError(f"drafter hidden size {c.hidden_size} != target hidden size {target.hidden_size}")
+        if c.num_target_layers != target.num_layers or max(c.target_layer_ids) >= target.num_layers:
+            raise DrafterMismatchError(
+                f"drafter was made for a {c.num_target_layers}-layer target, this target has {target.num_layers} layers")
+
+    # -- state ----------------------------------------------------------------------------------
+    def release(self, request_id: int) -> None:
+        self.ctx.pop(request_id, None)
+        self.ctx_len.pop(request_id, None)
+
+    @torch.inference_mode()
+    def _ingest(self, rid: int, feats: Optional[torch.Tensor]) -> None:
+        if feats is None or feats.shape[0] == 0:
+            return
+        T0 = self.ctx_len.get(rid, 0)
+        pos = torch.arange(T0, T0 + feats.shape[0], device=feats.device).unsqueeze(0)
+        kv = self.model.context_kv(feats.unsqueeze(0).to(self.dtype), pos)
+        if rid not in self.ctx:
+            self.ctx[rid] = [[k, v] for k, v in kv]
+        else:
+            for slot, (k, v) in zip(self.ctx[rid], kv):
+                slot[0] = torch.cat([slot[0], k], dim=2)
+                slot[1] = torch.cat([slot[1], v], dim=2)
+        self.ctx_len[rid] = T0 + feats.shape[0]
+
+    def _batched_context(self, rids: list[int]):
+        lens = [self.ctx_len.get(r, 0) for r in rids]
+        T = max(lens)
+        kv = []
+        for layer in range(self.cfg.num_hidden_layers):
+            ks, vs = [], []
+            for r, n in zip(rids, lens):
+                k, v = self.ctx[r][layer]
+                if n < T:
+                    k = torch.cat([k, k.new_zeros(1, k.shape[1], T - n, k.shape[3])], dim=2)
+                    v = torch.cat([v, v.new_zeros(1, v.shape[1], T - n, v.shape[3])], dim=2)
+                ks.append(k)
+                vs.append(v)
+            kv.append((torch.cat(ks), torch.cat(vs)))
+        return kv, lens
+
+    # -- drafting -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput) -> DraftOutput:
+        rids = inp.request_ids
+        for rid, f in zip(rids, inp.new_features):
+            self._ingest(rid, f)
+        N, B = len(rids), self.cfg.block_size
+        k = min(inp.num_tokens, B - 1)
+        kv, lens = self._batched_context(rids)
+        anchors = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
+        block = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long)
+        block[:, 0] = anchors
+        start = torch.tensor([len(ids) - 1 for ids in inp.token_ids], dtype=torch.long)
+        positions = start.unsqueeze(1) + torch.arange(B)
+        T = kv[0][0].shape[2]
+        mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
+        hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
+        hidden = hidden[:, 1 : k + 1]
+        logits = self.lm_head(hidden).float()  # (N, k, V)
+        return self.select(hidden, logits, inp)
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+        """DFlash picks each slot independently: argmax at T=0; at T>0 a sample from the request's
+        own transformed distribution, reported as q."""
+        N, k, _ = logits.shape
+        tokens = logits.argmax(-1)
+        probs = None
+        sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
+        if sampled:
+            probs = torch.zeros_like(logits)
+            for b in sampled:
+                sp = inp.params[b]
+                probs[b] = probabilities(logits[b], sp.temperature, sp.top_k, sp.top_p)
+            u = draw_uniforms([inp.generators[b] for b in sampled], k, logits.device)
+            tokens[sampled] = sample_from(probs[sampled], u)
+            for b in range(N):
+                if b not in sampled:
+                    probs[b].scatter_(1, tokens[b].unsqueeze(1), 1.0)  # greedy rows: one-hot q
+        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def save_dflash(path: str | Path, model: DFlashModel, method: str = "dflash", extra: Optional[dict] = None,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    save_checkpoint(path, model.cfg.to_hf(method, extra), model.state_dict(), dtype)
+
+
+def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DFlashModel, dict]:
+    raw, state = load_checkpoint(path)
+    model = DFlashModel(DFlashConfig.from_hf(raw))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelNotFoundError(f"{path}: weights do not match the DFlash config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(dtype), raw

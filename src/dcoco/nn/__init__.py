@@ -1,0 +1,1 @@
+"""Small neural building blocks shared by the trained drafters."""

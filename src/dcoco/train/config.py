@@ -1,0 +1,111 @@
+"""Typed training configuration: a YAML file plus `section.key=value` overrides. Unknown keys and
+wrong types are errors (`ConfigError`), so a typo never silently trains the wrong thing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetSection(_Section):
+    model: Optional[str] = None  # HF directory; None = embedded SmolLM2-135M-Instruct
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+class DataSection(_Section):
+    path: str = "data/smollm2-sharegpt"
+    max_length: int = 1024  # tokens per sequence (prompt + response), longer ones are cut
+    eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
+    eval_samples: int = 48  # at most this many of them are evaluated
+
+
+class DrafterSection(_Section):
+    num_layers: int = 2
+    block_size: int = 16
+    num_features: int = 5  # tapped target layers (evenly spaced, published default)
+    intermediate_size: Optional[int] = None  # default: the target's
+    init_from: Optional[str] = None  # warm start from a drafter checkpoint directory
+    # DCOCO corrector (method: dcoco)
+    top_k: int = 8
+    proj_dim: int = 128
+    corrector_hidden: int = 256
+    use_embedding: bool = True
+    use_hidden: bool = True
+    use_pair_context: bool = True
+
+
+class OptimSection(_Section):
+    steps: int = 4000
+    batch_size: int = 8  # sequences per step
+    anchors_per_seq: int = 16  # blocks sampled per sequence
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)
+    corrector_weight: float = 1.0
+    seed: int = 0
+    autocast_bf16: bool = True
+    threads: Optional[int] = None
+
+
+class RunSection(_Section):
+    out: str = "runs/dflash-smollm2"
+    checkpoint_every: int = 100
+    eval_every: int = 250
+    tensorboard: bool = False
+
+
+class TrainConfig(_Section):
+    method: Literal["dflash", "dcoco"] = "dflash"
+    target: TargetSection = TargetSection()
+    data: DataSection = DataSection()
+    drafter: DrafterSection = DrafterSection()
+    optim: OptimSection = OptimSection()
+    run: RunSection = RunSection()
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def load_config(path: Optional[str], overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+    for o in overrides:
+        if "=" not in o:
+            raise ConfigError(f"override {o!r} must look like section.key=value")
+        k, v = o.split("=", 1)
+        _set(tree, k.strip(), yaml.safe_load(v))
+    try:
+        return TrainConfig(**tree)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ConfigError(f"config {loc}: {msg}") from None

@@ -1,0 +1,38 @@
+"""Training curves from a JSONL log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Path]:
+    if not Path(log).exists():
+        return None
+    rows = [json.loads(l) for l in Path(log).read_text().splitlines() if l.strip()]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    steps = [r["step"] for r in rows]
+    loss = [r["loss"] for r in rows]
+    k = max(1, len(loss) // 100)
+    smooth = [sum(loss[max(0, i - k) : i + 1]) / len(loss[max(0, i - k) : i + 1]) for i in range(len(loss))]
+    ax[0].plot(steps, loss, alpha=0.25, color="tab:blue", label="train loss")
+    ax[0].plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {k + 1})")
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax[0].plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss")
+        ax[1].plot([r["step"] for r in ev], [r["eval_tau"] for r in ev], "o-", color="tab:green")
+    ax[0].set_xlabel("step"), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
+    ax[1].set_xlabel("step"), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

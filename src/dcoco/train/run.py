@@ -1,0 +1,22 @@
+"""`dcoco train`: build the target, the data and the trainer for a config, then run."""
+
+from __future__ import annotations
+
+import torch
+
+from ..target import Target
+from .config import TrainConfig
+from .data import RegeneratedData
+from .trainer import Trainer
+
+
+def train(cfg: TrainConfig) -> Trainer:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    if cfg.optim.threads:
+        torch.set_num_threads(cfg.optim.threads)
+    target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype)
+    trainer = Trainer(cfg, target, RegeneratedData(cfg.data.path))
+    trainer.run()
+    return trainer

@@ -1,0 +1,349 @@
+"""Drafter training on regenerated data: anchors, position-decayed loss, AdamW + warm-up + cosine,
+gradient clipping, periodic held-out evaluation, atomic checkpoints and exact resume.
+
+One step takes `batch_size` sequences and `anchors_per_seq` anchor positions in each (sampled
+uniformly over response positions). Every anchor a opens a block [x_a, MASK, ..., MASK] whose slot
+k predicts x_{a+k}, seeing the target features of positions < a only. All blocks of a sequence
+run in one pass (`dflash.training_mask`). Loss: cross-entropy on assistant tokens weighted by
+w_k = exp(-(k-1)/gamma) and normalised by the weights present.
+
+Resume: `run.out/state.pt` holds the model, optimizer, scheduler, step, data order and every RNG
+state; it is replaced atomically every `checkpoint_every` steps, so a killed run continues from
+there and reaches the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters.dflash import DFlashConfig, DFlashModel, load_dflash, save_dflash, training_mask
+from ..errors import ConfigError
+from .config import TrainConfig
+from .data import RegeneratedData
+
+
+def is_eval_sample(sample_id: str, permille: int = 20) -> bool:
+    """Fixed hold-out of regenerated samples for training-time evaluation (by a hash of the id, so
+    it does not move as the data grows)."""
+    return int(hashlib.sha1(f"{sample_id}:heldout".encode()).hexdigest(), 16) % 1000 < permille
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1 (slot 0 is the anchor and has no loss)."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (S, T) token ids, padded
+    feats: torch.Tensor  # (S, T, F) target features (position t holds token t's features)
+    anchors: torch.Tensor  # (S, A) anchor positions, -1 = padding block
+    labels: torch.Tensor  # (S, A, B-1) token at anchor + k, -100 where not an assistant token
+
+
+def sample_anchors(prompt_len: int, length: int, n: int, gen: torch.Generator) -> list[int]:
+    """Up to n distinct anchors in [prompt_len, length - 2] (each needs a label after it)."""
+    lo, hi = prompt_len, length - 2
+    if hi < lo:
+        return []
+    count = hi - lo + 1
+    if count <= n:
+        return list(range(lo, hi + 1))
+    return sorted((torch.randperm(count, generator=gen)[:n] + lo).tolist())
+
+
+def make_batch(samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]], block_size: int) -> Batch:
+    S = len(samples)
+    T = max(len(s["input_ids"]) for s in samples)
+    A = max(1, max(len(a) for a in anchors))
+    Fdim = feats[0].shape[-1]
+    ids = torch.zeros(S, T, dtype=torch.long)
+    fx = torch.zeros(S, T, Fdim, dtype=feats[0].dtype)
+    anc = torch.full((S, A), -1, dtype=torch.long)
+    labels = torch.full((S, A, block_size - 1), -100, dtype=torch.long)
+    for s, (smp, f, a) in enumerate(zip(samples, feats, anchors)):
+        x = torch.tensor(smp["input_ids"])
+        ids[s, : len(x)] = x
+        fx[s, : f.shape[0]] = f
+        for j, pos in enumerate(a):
+            anc[s, j] = pos
+            tgt = x[pos + 1 : pos + block_size]
+            labels[s, j, : len(tgt)] = tgt
+    return Batch(ids, fx, anc, labels)
+
+
+class DrafterLoss:
+    """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
+
+    def __init__(self, model: DFlashModel, embed, lm_head, gamma: float):
+        self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.weights = position_weights(model.cfg.block_size, gamma)
+
+    def hidden(self, b: Batch) -> torch.Tensor:
+        """Block hidden states (S, A, B, H)."""
+        cfg = self.model.cfg
+        S, A = b.anchors.shape
+        B, T = cfg.block_size, b.ids.shape[1]
+        anc = b.anchors.clamp(min=0)
+        block = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long)
+        block[:, :, 0] = b.ids.gather(1, anc)
+        positions = (anc.unsqueeze(2) + torch.arange(B)).view(S, A * B)
+        ctx_pos = torch.arange(T).unsqueeze(0).expand(S, T)
+        with torch.no_grad():
+            emb = self.embed(block.view(S, A * B))
+        kv = self.model.context_kv(b.feats.to(emb.dtype), ctx_pos)
+        mask = training_mask(b.anchors, T, B)
+        h = self.model(emb, positions, kv, mask)
+        return h.view(S, A, B, -1)
+
+    def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        h = self.hidden(b)
+        logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
+        return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        V = logits.shape[-1]
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100, reduction="none")
+        ce = ce.view(labels.shape)
+        w = self.weights.view(1, 1, -1) * (labels != -100)
+        return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
+def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[float]]:
+    """Simulated acceptance length tau = 1 + mean accepted prefix, and per-position acceptance,
+    from greedy predictions (S, A, B-1) against the (greedy) target continuation."""
+    valid_blocks = labels[..., 0] != -100
+    match = (pred == labels) & (labels != -100)
+    acc = torch.cumprod(match.long(), dim=-1)[valid_blocks]  # (n, B-1)
+    if acc.numel() == 0:
+        return 1.0, []
+    return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, target, data: RegeneratedData):
+        self.cfg = cfg
+        self.target = target
+        self.data = data
+        self.out = Path(cfg.run.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        o = cfg.optim
+        torch.manual_seed(o.seed)
+        man = data.manifest
+        if man["target_vocab_size"] != target.vocab_size or man["target_hidden_size"] != target.hidden_size:
+            raise ConfigError(f"{data.root} was regenerated with another target")
+        self.model = self.build_model()
+        taps = list(self.model.cfg.taps)
+        if not set(taps) <= set(man["taps"]):
+            raise ConfigError(f"drafter needs target taps {taps}, data has {man['taps']}")
+        self.tap_index = [man["taps"].index(t) * target.hidden_size for t in taps]
+        samples = [s for s in data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
+        held = [is_eval_sample(s["id"], cfg.data.eval_permille) for s in samples]
+        self.eval_samples = [s for s, h in zip(samples, held) if h][: cfg.data.eval_samples]
+        self.train_samples = [s for s, h in zip(samples, held) if not h]
+        if not self.train_samples:
+            raise ConfigError(f"no training samples in {data.root}")
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+        for p in target.model.parameters():
+            p.requires_grad_(False)
+        self.loss = self.build_loss()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(0.9, 0.95),
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(o.seed)
+        self.epoch, self.order, self.cursor = 0, None, 0
+        self.log_path = self.out / "log.jsonl"
+        self._resume()
+
+    # -- hooks for drafter families -------------------------------------------------------------
+    def build_model(self) -> DFlashModel:
+        d = self.cfg.drafter
+        if d.init_from:
+            model, _ = load_dflash(d.init_from)
+            return model.float().train()
+        mcfg = DFlashConfig.for_target(self.target, num_layers=d.num_layers, block_size=d.block_size,
+                                       num_features=d.num_features, intermediate_size=d.intermediate_size)
+        return DFlashModel(mcfg).float().train()
+
+    def build_loss(self):
+        return DrafterLoss(self.model, self.embed, self.lm_head, self.cfg.optim.loss_decay_gamma)
+
+    def export(self, path: Path) -> None:
+        save_dflash(path, self.model, method=self.cfg.method, extra=self.provenance())
+
+    def provenance(self) -> dict:
+        return {"dcoco_training": {"step": self.step, "train_samples": len(self.train_samples),
+                                   "data": str(self.cfg.data.path), "config": self.cfg.model_dump()}}
+
+    # -- schedule and data -------------------------------------------------------------------
+    def lr_lambda(self, step: int) -> float:
+        o = self.cfg.optim
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        t = (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    def _features(self, s: dict) -> torch.Tensor:
+        f = self.data.features(s)
+        cols = torch.cat([torch.arange(i, i + self.target.hidden_size) for i in self.tap_index])
+        return f[:, cols] if f.shape[1] != len(cols) else f
+
+    def _truncate(self, s: dict) -> dict:
+        L = self.cfg.data.max_length
+        if len(s["input_ids"]) <= L:
+            return s
+        return dict(s, input_ids=s["input_ids"][:L])
+
+    def next_batch(self) -> Batch:
+        o = self.cfg.optim
+        chosen = []
+        while len(chosen) < o.batch_size:
+            if self.order is None or self.cursor >= len(self.order):
+                self.order = torch.randperm(len(self.train_samples), generator=self.gen).tolist()
+                self.cursor = 0
+                if chosen or self.step:
+                    self.epoch += 1
+            chosen.append(self.train_samples[self.order[self.cursor]])
+            self.cursor += 1
+        return self._batch([self._truncate(s) for s in chosen], o.anchors_per_seq, self.gen)
+
+    def _batch(self, samples: list[dict], n_anchors: int, gen: torch.Generator) -> Batch:
+        feats = [self._features(s)[: len(s["input_ids"])] for s in samples]
+        anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
+        return make_batch(samples, feats, anchors, self.model.cfg.block_size)
+
+    # -- loop --------------------------------------------------------------------------------
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.optim.autocast_bf16)
+
+    def train_step(self) -> dict:
+        self.model.train()
+        batch = self.next_batch()
+        with self.autocast():
+            loss, extras = self.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        out = {"loss": loss.item(), "grad_norm": gnorm.item(), "lr": self.sched.get_last_lr()[0]}
+        out.update(extras.get("metrics", {}))
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Teacher-forced simulated acceptance on held-out samples: every response position is an
+        anchor (strided to bound the cost), greedy predictions against the target's own tokens."""
+        self.model.eval()
+        gen = torch.Generator().manual_seed(1234)
+        taus, per_pos, losses = [], [], []
+        for i in range(0, len(self.eval_samples), 4):
+            samples = [self._truncate(s) for s in self.eval_samples[i : i + 4]]
+            batch = self._batch(samples, 32, gen)
+            with self.autocast():
+                loss, extras = self.loss(batch)
+            pred = extras["logits"].argmax(-1)
+            tau, pp = acceptance_from_predictions(pred, batch.labels)
+            taus.append(tau)
+            per_pos.append(pp)
+            losses.append(float(loss))
+        self.model.train()
+        n = max(1, len(taus))
+        pp = [sum(p[k] for p in per_pos if len(p) > k) / n for k in range(self.model.cfg.block_size - 1)]
+        return {"eval_loss": sum(losses) / n, "eval_tau": sum(taus) / n, "eval_per_position": [round(x, 4) for x in pp]}
+
+    def run(self, progress: bool = True) -> None:
+        from tqdm import tqdm
+
+        o, r = self.cfg.optim, self.cfg.run
+        bar = tqdm(total=o.steps, initial=self.step, desc=f"train {self.cfg.method}", unit="step",
+                   file=sys.stderr, disable=not progress)
+        last_eval = None
+        try:
+            while self.step < o.steps:
+                t0 = time.time()
+                m = self.train_step()
+                m.update(step=self.step, epoch=self.epoch, step_s=round(time.time() - t0, 3))
+                if self.eval_samples and (self.step % r.eval_every == 0 or self.step == o.steps):
+                    last_eval = self.evaluate()
+                    m.update(last_eval)
+                self._log(m)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{last_eval['eval_tau']:.2f}" if last_eval else "-")
+                bar.update(1)
+                if self.step % r.checkpoint_every == 0 or self.step == o.steps:
+                    self.save()
+        except KeyboardInterrupt:
+            print(f"\ninterrupted at step {self.step}; resume with the same command", file=sys.stderr)
+            raise
+        finally:
+            bar.close()
+        self.plot()
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _log(self, m: dict) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "order": self.order,
+            "cursor": self.cursor,
+            "gen": self.gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": random.getstate(),
+            "config": self.cfg.model_dump(),
+        }
+
+    def save(self) -> None:
+        tmp = self.out / "state.pt.tmp"
+        torch.save(self.state(), tmp)
+        os.replace(tmp, self.out / "state.pt")
+        self.export(self.out / "drafter")
+
+    def _resume(self) -> None:
+        path = self.out / "state.pt"
+        if not path.exists():
+            return
+        st = torch.load(path, weights_only=False)
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
+        self.gen.set_state(st["gen"])
+        torch.set_rng_state(st["torch_rng"])
+        random.setstate(st["py_rng"])
+        if self.log_path.exists():  # drop lines logged after the checkpoint we resume from
+            lines = [l for l in self.log_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= self.step]
+            self.log_path.write_text("".join(l + "\n" for l in lines))
+        print(f"resumed from step {self.step}", file=sys.stderr)
+
+    def plot(self) -> Optional[Path]:
+        from .plots import training_curve
+
+        return training_curve(self.log_path, self.out / "curve.png", title=f"{self.cfg.method} training")

@@ -1,0 +1,229 @@
+"""DFlash: masks, anchors, loss weights, training, checkpoints, resume, and lossless drafting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import random_prompts, tiny_target
+from dcoco import ConfigError, DrafterMismatchError, SamplingParams
+from dcoco.drafters.dflash import (
+    BlockDrafter,
+    DFlashConfig,
+    DFlashModel,
+    default_target_layer_ids,
+    load_dflash,
+    save_dflash,
+    training_mask,
+)
+from dcoco.engine import SpeculativeEngine
+from dcoco.train.config import load_config
+from dcoco.train.data import Prompt, RegeneratedData, regenerate
+from dcoco.train.trainer import Trainer, make_batch, position_weights, sample_anchors
+
+LAYERS = 6
+
+
+def tiny() -> "Target":
+    return tiny_target("llama", seed=11, num_hidden_layers=LAYERS, initializer_range=0.15)
+
+
+def tiny_dflash(target, seed=0, **kw) -> DFlashModel:
+    torch.manual_seed(seed)
+    cfg = DFlashConfig.for_target(target, num_layers=1, block_size=kw.pop("block_size", 6), num_features=2, **kw)
+    return DFlashModel(cfg).float().eval()
+
+
+def test_default_layer_ids_match_published_rule():
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 1) == [14]
+
+
+def test_training_mask_structure():
+    anchors = torch.tensor([[3, 6, -1]])
+    m = training_mask(anchors, T=8, B=2)[0, 0]  # (6, 8 + 6)
+    ctx, blk = m[:, :8], m[:, 8:]
+    assert ctx[0].tolist() == [True] * 3 + [False] * 5  # block at anchor 3 sees positions 0..2 only
+    assert ctx[2].tolist() == [True] * 6 + [False] * 2
+    assert not ctx[4:].any()  # padding block sees no context
+    expected = torch.block_diag(*[torch.ones(2, 2, dtype=torch.bool)] * 3)
+    assert torch.equal(blk, expected)  # bidirectional inside a block, nothing across blocks
+
+
+def test_no_label_leaks_into_its_block():
+    """Block outputs depend only on context before the anchor and the anchor token itself."""
+    target = tiny()
+    model = tiny_dflash(target)
+    from dcoco.train.trainer import DrafterLoss
+
+    loss = DrafterLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0)
+    T, Fd = 20, 2 * target.hidden_size
+    ids = torch.randint(0, target.vocab_size, (1, T))
+    feats = torch.randn(1, T, Fd)
+    anchors = torch.tensor([[5, 12]])
+    labels = torch.full((1, 2, 5), -100)
+    from dcoco.train.trainer import Batch
+
+    with torch.no_grad():
+        h = loss.hidden(Batch(ids, feats, anchors, labels))
+        ids2, feats2 = ids.clone(), feats.clone()
+        ids2[0, 13:] = (ids2[0, 13:] + 1) % target.vocab_size  # tokens after the second anchor (its labels)
+        feats2[0, 12:] += 5.0  # features at and after the second anchor
+        h2 = loss.hidden(Batch(ids2, feats2, anchors, labels))
+        assert torch.allclose(h[0, 1], h2[0, 1], atol=1e-5)
+        ids3 = ids.clone()
+        ids3[0, 12] = (ids3[0, 12] + 1) % target.vocab_size  # the anchor token itself matters
+        assert not torch.allclose(loss.hidden(Batch(ids3, feats, anchors, labels))[0, 1], h[0, 1])
+
+
+def test_anchors_and_weights():
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(prompt_len=10, length=30, n=8, gen=g)
+    assert len(a) == len(set(a)) == 8 and all(10 <= x <= 28 for x in a)
+    assert sample_anchors(10, 13, 8, g) == [10, 11]
+    assert sample_anchors(10, 11, 8, g) == []
+    w = position_weights(5, 2.0)
+    assert torch.allclose(w, torch.exp(-torch.arange(4) / 2.0))
+    b = make_batch([{"input_ids": list(range(20)), "prompt_len": 5}], [torch.zeros(20, 4)], [[5, 17]], 5)
+    assert b.labels[0, 0].tolist() == [6, 7, 8, 9] and b.labels[0, 1].tolist() == [18, 19, -100, -100]
+
+
+def test_checkpoint_round_trip(tmp_path):
+    target = tiny()
+    model = tiny_dflash(target, seed=3)
+    save_dflash(tmp_path / "ck", model, dtype=torch.float32)
+    loaded, raw = load_dflash(tmp_path / "ck")
+    assert raw["dflash_config"]["target_layer_ids"] == model.cfg.target_layer_ids
+    assert raw["dflash_config"]["block_size"] == raw["block_size"] == 6
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+
+
+def test_mismatched_target_is_rejected():
+    model = tiny_dflash(tiny())
+    other = tiny_target("llama", seed=1, num_hidden_layers=LAYERS, vocab_size=80)
+    with pytest.raises(DrafterMismatchError):
+        BlockDrafter(model, other).check_target(other)
+    other = tiny_target("llama", seed=1, num_hidden_layers=4)
+    with pytest.raises(DrafterMismatchError):
+        BlockDrafter(model, other).check_target(other)
+
+
+def test_greedy_equality_and_batch_consistency():
+    target = tiny()
+    model = tiny_dflash(target, seed=5)
+    prompts = random_prompts(4, target.vocab_size, seed=3)
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    outs, stats = SpeculativeEngine(target, BlockDrafter(model, target), 5).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
+    assert stats.drafted > 0
+    # drafts for a batch equal drafts made one request at a time (context masking at inference)
+    from dcoco.drafters.base import DraftInput
+
+    feats = [torch.randn(n, 2 * target.hidden_size) for n in (3, 9, 5)]
+    seqs = [list(range(1, n + 2)) for n in (3, 9, 5)]
+    sps = [SamplingParams()] * 3
+    gens = [torch.Generator() for _ in range(3)]
+    d = BlockDrafter(model, target)
+    batch = d.propose(DraftInput([0, 1, 2], seqs, feats, 5, sps, gens)).tokens
+    for i in range(3):
+        solo = BlockDrafter(model, target).propose(DraftInput([9], [seqs[i]], [feats[i]], 5, sps[:1], gens[:1])).tokens
+        assert torch.equal(batch[i], solo[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    target = tiny()
+    root = tmp_path_factory.mktemp("regen")
+    rng = random.Random(0)
+    prompts = [Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))]) for i in range(40)]
+    taps = [i + 1 for i in default_target_layer_ids(LAYERS, 2)]
+    regenerate(target, prompts, root, num_samples=40, taps=taps, sampling=SamplingParams(max_tokens=24),
+               batch_size=16, shard_size=8, progress=False)
+    return target, root
+
+
+def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
+    target, root = tiny_data
+    data = RegeneratedData(root)
+    samples = data.samples()
+    assert len(samples) == 40 and len({s["id"] for s in samples}) == 40
+    s = samples[0]
+    assert data.features(s).shape == (len(s["input_ids"]) - 1, 2 * target.hidden_size)
+    # a torn last line and an orphan shard (crash mid-write) are discarded, then the run completes
+    text = data.samples_path.read_text().splitlines()
+    data.samples_path.write_text("\n".join(text[:-3]) + "\n" + text[-3][: len(text[-3]) // 2])
+    (data.features_dir / "shard-00099.safetensors").write_bytes(b"partial")
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples]
+    regenerate(target, prompts, root, num_samples=40, taps=data.manifest["taps"],
+               sampling=SamplingParams(max_tokens=24), batch_size=16, shard_size=8, progress=False)
+    again = RegeneratedData(root).samples()
+    assert sorted(x["id"] for x in again) == sorted(x["id"] for x in samples)
+    assert {x["id"]: x["input_ids"] for x in again} == {x["id"]: x["input_ids"] for x in samples}
+    assert not (data.features_dir / "shard-00099.safetensors").exists()
+    with pytest.raises(ConfigError):  # other settings into the same directory
+        regenerate(target, prompts, root, num_samples=41, taps=[1], sampling=SamplingParams(max_tokens=24), progress=False)
+
+
+def _cfg(root, out, **over):
+    base = {"data.path": str(root), "run.out": str(out), "optim.steps": 40, "optim.batch_size": 4,
+            "optim.anchors_per_seq": 6, "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.autocast_bf16": False,
+            "drafter.num_layers": 1, "drafter.block_size": 6, "drafter.num_features": 2, "data.eval_samples": 6,
+            "data.eval_permille": 200,
+            "run.eval_every": 20, "run.checkpoint_every": 10}
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def test_training_loss_falls(tiny_data, tmp_path):
+    target, root = tiny_data
+    tr = Trainer(_cfg(root, tmp_path / "run"), target, RegeneratedData(root))
+    tr.run(progress=False)
+    import json
+
+    rows = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in rows[:5]) / 5
+    last = sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert (tmp_path / "run" / "drafter" / "config.json").exists() and (tmp_path / "run" / "curve.png").exists()
+    ev = [r for r in rows if "eval_tau" in r]
+    assert ev and ev[-1]["eval_tau"] >= 1.0
+
+
+def test_resume_equals_uninterrupted(tiny_data, tmp_path, monkeypatch):
+    target, root = tiny_data
+    over = {"optim.steps": 8, "run.checkpoint_every": 3, "run.eval_every": 100}
+    full = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
+    full.run(progress=False)
+
+    killed = Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root))
+    real_step = Trainer.train_step
+
+    def dying_step(self):
+        if self.step == 4:  # checkpoint at 3, one more step done and lost
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        killed.run(progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    resumed = Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root))
+    assert resumed.step == 3
+    resumed.run(progress=False)
+    for (k, v), (_, v2) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(v, v2), k
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [(["optim.stepz=3"], "unknown key"), (["optim.steps=abc"], "optim.steps"), (["nonsense"], "section.key=value"),
+     (["method=medusa"], "method")],
+)
+def test_config_errors(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
