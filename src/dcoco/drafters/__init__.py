@@ -69,19 +69,25 @@ def shipped_checkpoint(method: str) -> Optional[Path]:
 
 def _load_block_drafter(method: str):
     def load(path: Optional[str], target) -> Drafter:
+        from .dcoco import DCOCODrafter, DCOCOModel
         from .dflash import BlockDrafter, load_dflash
 
         ckpt = path or shipped_checkpoint(method)
         if ckpt is None:
             raise ModelNotFoundError(f"no {method} checkpoint is shipped in this build; pass one with --drafter PATH")
         model, _ = load_dflash(ckpt, dtype=target.dtype)
-        return BlockDrafter(model.to(target.device), target)
+        model = model.to(target.device)
+        if method == "dcoco":
+            if not isinstance(model, DCOCOModel):
+                raise ModelNotFoundError(f"{ckpt} is a plain DFlash checkpoint; dcoco needs one trained with method: dcoco")
+            return DCOCODrafter(model, target)
+        return BlockDrafter(model, target)  # a DCOCO checkpoint runs as DFlash without correction
 
     return load
 
 
 # trained drafter families: method -> loader(path | None, target) -> Drafter
-_TRAINED: dict = {"dflash": _load_block_drafter("dflash")}
+_TRAINED: dict = {"dflash": _load_block_drafter("dflash"), "dcoco": _load_block_drafter("dcoco")}
 
 
 def available_methods() -> list[str]:

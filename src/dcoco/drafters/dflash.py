@@ -255,42 +255,48 @@ class BlockDrafter(Drafter):
         self.ctx_len.pop(request_id, None)
 
     @torch.inference_mode()
-    def _ingest(self, rid: int, feats: Optional[torch.Tensor]) -> None:
-        if feats is None or feats.shape[0] == 0:
+    def _ingest(self, rids: list[int], feats: list[Optional[torch.Tensor]]) -> None:
+        """Append the context K/V of newly committed tokens, for all requests in one batched pass."""
+        todo = [(r, f) for r, f in zip(rids, feats) if f is not None and f.shape[0] > 0]
+        if not todo:
             return
-        T0 = self.ctx_len.get(rid, 0)
-        pos = torch.arange(T0, T0 + feats.shape[0], device=feats.device).unsqueeze(0)
-        kv = self.model.context_kv(feats.unsqueeze(0).to(self.dtype), pos)
-        if rid not in self.ctx:
-            self.ctx[rid] = [[k, v] for k, v in kv]
-        else:
-            for slot, (k, v) in zip(self.ctx[rid], kv):
-                slot[0] = torch.cat([slot[0], k], dim=2)
-                slot[1] = torch.cat([slot[1], v], dim=2)
-        self.ctx_len[rid] = T0 + feats.shape[0]
+        n = max(f.shape[0] for _, f in todo)
+        x = torch.zeros(len(todo), n, todo[0][1].shape[-1], dtype=self.dtype)
+        pos = torch.zeros(len(todo), n, dtype=torch.long)
+        for i, (r, f) in enumerate(todo):
+            T0 = self.ctx_len.get(r, 0)
+            x[i, : f.shape[0]] = f.to(self.dtype)
+            pos[i] = torch.arange(T0, T0 + n)
+        kv = self.model.context_kv(x, pos)
+        for i, (r, f) in enumerate(todo):
+            m = f.shape[0]
+            if r not in self.ctx:
+                self.ctx[r] = [[k[i : i + 1, :, :m], v[i : i + 1, :, :m]] for k, v in kv]
+            else:
+                for slot, (k, v) in zip(self.ctx[r], kv):
+                    slot[0] = torch.cat([slot[0], k[i : i + 1, :, :m]], dim=2)
+                    slot[1] = torch.cat([slot[1], v[i : i + 1, :, :m]], dim=2)
+            self.ctx_len[r] = self.ctx_len.get(r, 0) + m
 
     def _batched_context(self, rids: list[int]):
         lens = [self.ctx_len.get(r, 0) for r in rids]
         T = max(lens)
         kv = []
         for layer in range(self.cfg.num_hidden_layers):
-            ks, vs = [], []
-            for r, n in zip(rids, lens):
-                k, v = self.ctx[r][layer]
-                if n < T:
-                    k = torch.cat([k, k.new_zeros(1, k.shape[1], T - n, k.shape[3])], dim=2)
-                    v = torch.cat([v, v.new_zeros(1, v.shape[1], T - n, v.shape[3])], dim=2)
-                ks.append(k)
-                vs.append(v)
-            kv.append((torch.cat(ks), torch.cat(vs)))
+            k0 = self.ctx[rids[0]][layer][0]
+            K = k0.new_zeros(len(rids), k0.shape[1], T, k0.shape[3])
+            Vv = torch.zeros_like(K)
+            for b, (r, n) in enumerate(zip(rids, lens)):
+                K[b, :, :n] = self.ctx[r][layer][0][0]
+                Vv[b, :, :n] = self.ctx[r][layer][1][0]
+            kv.append((K, Vv))
         return kv, lens
 
     # -- drafting -------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftOutput:
         rids = inp.request_ids
-        for rid, f in zip(rids, inp.new_features):
-            self._ingest(rid, f)
+        self._ingest(rids, inp.new_features)
         N, B = len(rids), self.cfg.block_size
         k = min(inp.num_tokens, B - 1)
         kv, lens = self._batched_context(rids)
@@ -329,13 +335,23 @@ class BlockDrafter(Drafter):
 # -- checkpoints ---------------------------------------------------------------------------------
 def save_dflash(path: str | Path, model: DFlashModel, method: str = "dflash", extra: Optional[dict] = None,
                 dtype: torch.dtype = torch.bfloat16) -> None:
+    extra = dict(extra or {})
+    if hasattr(model, "dcfg"):
+        extra["dcoco_config"] = model.dcfg.model_dump()
     save_checkpoint(path, model.cfg.to_hf(method, extra), model.state_dict(), dtype)
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DFlashModel, dict]:
+    """Load a DFlash-family checkpoint: a `DCOCOModel` when it has a `dcoco_config`, else a `DFlashModel`."""
     raw, state = load_checkpoint(path)
-    model = DFlashModel(DFlashConfig.from_hf(raw))
+    cfg = DFlashConfig.from_hf(raw)
+    if "dcoco_config" in raw:
+        from .dcoco import DCOCOConfig, DCOCOModel
+
+        model: DFlashModel = DCOCOModel(cfg, DCOCOConfig(**raw["dcoco_config"]))
+    else:
+        model = DFlashModel(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ModelNotFoundError(f"{path}: weights do not match the DFlash config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(dtype), raw

@@ -90,6 +90,7 @@ class DrafterLoss:
 
     def __init__(self, model: DFlashModel, embed, lm_head, gamma: float):
         self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.gamma = gamma
         self.weights = position_weights(model.cfg.block_size, gamma)
 
     def hidden(self, b: Batch) -> torch.Tensor:
@@ -114,12 +115,69 @@ class DrafterLoss:
         logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
         return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
 
+    def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
+        tau, pp = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
+        return {"eval_tau": tau, "eval_per_position": pp}
+
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         V = logits.shape[-1]
         ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100, reduction="none")
         ce = ce.view(labels.shape)
         w = self.weights.view(1, 1, -1) * (labels != -100)
         return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
+class DCOCOLoss(DrafterLoss):
+    """DFlash loss plus the corrector's: cross-entropy over the K candidates of S_p(a*, .) towards
+    the target's next token b*, with the target's own previous token a* as predecessor (teacher
+    forcing). Pairs whose target token is missing from either shortlist are excluded; pair p is
+    weighted exp(-p/gamma), since an early rejection wastes more of the block."""
+
+    def __init__(self, model, embed, lm_head, gamma: float, corrector_weight: float):
+        super().__init__(model, embed, lm_head, gamma)
+        self.corrector_weight = corrector_weight
+
+    def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        h = self.hidden(b)
+        logits = self.lm_head(h[:, :, 1:])
+        base = self.loss_from_logits(logits, b.labels)
+        S, A, P, V = logits.shape
+        ids, vals, scores = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V), self.embed)
+        corr, m = self.corrector_loss(ids, scores, b.labels.reshape(S * A, P))
+        m["dflash_loss"] = base.item()
+        return base + self.corrector_weight * corr, {"hidden": h, "logits": logits, "ids": ids, "scores": scores, "metrics": m}
+
+    def corrector_loss(self, ids: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor):
+        hit = ids == labels.unsqueeze(-1)  # (n, P, K)
+        present = hit.any(-1) & (labels != -100)
+        where = hit.float().argmax(-1)  # shortlist index of the target token (0 if absent)
+        a, b = where[:, :-1], where[:, 1:]
+        valid = present[:, :-1] & present[:, 1:]
+        rows = scores.gather(2, a.view(*a.shape, 1, 1).expand(-1, -1, 1, scores.shape[-1])).squeeze(2)  # S_p(a*, .)
+        ce = F.cross_entropy(rows.reshape(-1, rows.shape[-1]).float(), b.reshape(-1), reduction="none").view(b.shape)
+        w = torch.exp(-torch.arange(b.shape[1], dtype=torch.float32) / self.gamma).view(1, -1) * valid
+        loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+        labelled = labels != -100
+        m = {
+            "recall_at_k": (present.sum() / labelled.sum().clamp_min(1)).item(),
+            "selector_acc": ((rows.argmax(-1) == b) & valid).sum().item() / max(1, int(valid.sum())),
+            "corrector_loss": loss.item(),
+        }
+        return loss, m
+
+    def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
+        from ..drafters.dcoco import walk_greedy
+
+        S, A, P = labels.shape
+        ids, scores = extras["ids"], extras["scores"]
+        pick = walk_greedy(scores)
+        corrected = ids.gather(2, pick.unsqueeze(2)).squeeze(2).view(S, A, P)
+        tau_c, pp = acceptance_from_predictions(corrected, labels)
+        tau_d, _ = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
+        oracle = torch.where((ids == labels.view(S * A, P, 1)).any(-1).view(S, A, P), labels, -1)
+        tau_o, _ = acceptance_from_predictions(oracle, labels)
+        return {"eval_tau": tau_c, "eval_per_position": pp, "eval_tau_dflash": tau_d, "eval_tau_oracle": tau_o,
+                **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
 
 
 def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[float]]:
@@ -177,16 +235,30 @@ class Trainer:
 
     # -- hooks for drafter families -------------------------------------------------------------
     def build_model(self) -> DFlashModel:
+        """The backbone (fresh or warm-started), plus a zero-initialised corrector for DCOCO."""
+        from ..drafters.dcoco import DCOCOConfig, DCOCOModel
+
         d = self.cfg.drafter
         if d.init_from:
             model, _ = load_dflash(d.init_from)
-            return model.float().train()
-        mcfg = DFlashConfig.for_target(self.target, num_layers=d.num_layers, block_size=d.block_size,
-                                       num_features=d.num_features, intermediate_size=d.intermediate_size)
-        return DFlashModel(mcfg).float().train()
+            mcfg = model.cfg
+        else:
+            mcfg = DFlashConfig.for_target(self.target, num_layers=d.num_layers, block_size=d.block_size,
+                                           num_features=d.num_features, intermediate_size=d.intermediate_size)
+            model = DFlashModel(mcfg)
+        if self.cfg.method == "dcoco" and not isinstance(model, DCOCOModel):
+            dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
+                               use_hidden=d.use_hidden, use_pair_context=d.use_pair_context)
+            backbone = model
+            model = DCOCOModel(mcfg, dcfg)
+            model.load_state_dict(backbone.state_dict(), strict=False)
+        return model.float().train()
 
     def build_loss(self):
-        return DrafterLoss(self.model, self.embed, self.lm_head, self.cfg.optim.loss_decay_gamma)
+        o = self.cfg.optim
+        if self.cfg.method == "dcoco":
+            return DCOCOLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma, o.corrector_weight)
+        return DrafterLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma)
 
     def export(self, path: Path) -> None:
         save_dflash(path, self.model, method=self.cfg.method, extra=self.provenance())
@@ -257,21 +329,23 @@ class Trainer:
         anchor (strided to bound the cost), greedy predictions against the target's own tokens."""
         self.model.eval()
         gen = torch.Generator().manual_seed(1234)
-        taus, per_pos, losses = [], [], []
+        rows = []
         for i in range(0, len(self.eval_samples), 4):
             samples = [self._truncate(s) for s in self.eval_samples[i : i + 4]]
             batch = self._batch(samples, 32, gen)
             with self.autocast():
                 loss, extras = self.loss(batch)
-            pred = extras["logits"].argmax(-1)
-            tau, pp = acceptance_from_predictions(pred, batch.labels)
-            taus.append(tau)
-            per_pos.append(pp)
-            losses.append(float(loss))
+            rows.append({"eval_loss": loss.item(), **self.loss.eval_metrics(extras, batch.labels)})
         self.model.train()
-        n = max(1, len(taus))
-        pp = [sum(p[k] for p in per_pos if len(p) > k) / n for k in range(self.model.cfg.block_size - 1)]
-        return {"eval_loss": sum(losses) / n, "eval_tau": sum(taus) / n, "eval_per_position": [round(x, 4) for x in pp]}
+        out = {}
+        for key in rows[0]:
+            vals = [r[key] for r in rows]
+            if isinstance(vals[0], list):
+                n = max(len(v) for v in vals)
+                out[key] = [round(sum(v[k] for v in vals if len(v) > k) / len(vals), 4) for k in range(n)]
+            else:
+                out[key] = round(sum(vals) / len(vals), 4)
+        return out
 
     def run(self, progress: bool = True) -> None:
         from tqdm import tqdm

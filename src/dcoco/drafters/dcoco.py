@@ -1,0 +1,182 @@
+"""DCOCO, the DFlash Contextual Corrector.
+
+A parallel drafter often has the right token among its leading candidates but combines
+neighbouring choices the target rejects ("These key is missing"). DCOCO keeps the top-K candidates
+c_{i,k} of every draft position, scores every neighbouring candidate pair in one batched pass and
+walks the block left to right, each step conditioned on the candidate actually chosen before it:
+
+  z_{i,k} = f(norm(P_e Emb(c_{i,k})), norm(P_h h_i))          candidate representation
+  s_p     = norm(P_s [h_p ; h_{p+1}])                         pair context, shared by K^2 pairs
+  S_p(a,b) = l_{p+1}(b) + Delta(z_{p,a}, z_{p+1,b}, s_p, l)   transition score
+  k_1 = argmax l_1,   k_{p+1} = argmax_b S_p(k_p, b)           selection
+
+Delta's last layer starts at zero, so an untrained corrector reproduces DFlash exactly. The scores
+reuse the DFlash pass (hidden states and logits): no attention, no extra drafter pass; only the
+K-way lookup of the walk is sequential, and it is vectorised over the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+from ..nn.layers import RMSNorm
+from ..sampling import probabilities
+from ..verify import draw_uniforms, sample_from
+from .base import DraftInput, DraftOutput
+from .dflash import BlockDrafter, DFlashConfig, DFlashModel
+
+
+class DCOCOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int = 8
+    proj_dim: int = 128
+    hidden: int = 256
+    use_embedding: bool = True
+    use_hidden: bool = True
+    use_pair_context: bool = True
+    sampled_walk: bool = False  # at T > 0: sample the walk from softmax(S / T) (variant b) instead of one-hot
+
+
+class Corrector(nn.Module):
+    """Scores all K x K candidate pairs of every neighbouring pair of draft positions."""
+
+    def __init__(self, hidden_size: int, cfg: DCOCOConfig, eps: float = 1e-6):
+        super().__init__()
+        self.cfg = cfg
+        d, h = cfg.proj_dim, cfg.hidden
+        self.proj_emb = nn.Linear(hidden_size, d, bias=False)
+        self.proj_hid = nn.Linear(hidden_size, d, bias=False)
+        self.norm_emb, self.norm_hid = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.fuse = nn.Linear(2 * d, d)
+        self.proj_pair = nn.Linear(2 * hidden_size, d, bias=False)
+        self.norm_pair = RMSNorm(d, eps)
+        # first layer of Delta, split by input so the K x K broadcast stays cheap:
+        # W [z_a ; z_b ; z_a * z_b ; s ; logit features] = W_a z_a + W_b z_b + W_ab (z_a * z_b) + W_s s + W_l l
+        self.w_a = nn.Linear(d, h)
+        self.w_b = nn.Linear(d, h, bias=False)
+        self.w_ab = nn.Linear(d, h, bias=False)
+        self.w_s = nn.Linear(d, h, bias=False)
+        self.w_l = nn.Linear(4, h, bias=False)
+        self.out = nn.Linear(h, 1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def candidates(self, emb: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
+        """z (N, P, K, d) from candidate embeddings (N, P, K, H) and position hidden states (N, P, H)."""
+        e = self.norm_emb(self.proj_emb(emb))
+        hh = self.norm_hid(self.proj_hid(hid)).unsqueeze(2).expand_as(e)
+        if not self.cfg.use_embedding:
+            e = torch.zeros_like(e)
+        if not self.cfg.use_hidden:
+            hh = torch.zeros_like(hh)
+        return F.silu(self.fuse(torch.cat([e, hh], dim=-1)))
+
+    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Transition scores S (N, P-1, K, K): S[:, p, a, b] = l_{p+1}(b) + Delta(a, b).
+
+        emb: (N, P, K, H) candidate embeddings; hid: (N, P, H) drafter hidden states;
+        logits: (N, P, K) the drafter's logits of the candidates."""
+        z = self.candidates(emb, hid)
+        za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
+        x = self.w_a(za).unsqueeze(3) + self.w_b(zb).unsqueeze(2)  # (N, P-1, K, K, h)
+        x = x + self.w_ab(za.unsqueeze(3) * zb.unsqueeze(2))
+        if self.cfg.use_pair_context:
+            s = self.norm_pair(self.proj_pair(torch.cat([hid[:, :-1], hid[:, 1:]], dim=-1)))
+            x = x + self.w_s(s).unsqueeze(2).unsqueeze(3)
+        la, lb = logits[:, :-1].float(), logits[:, 1:].float()
+        lsa = la - torch.logsumexp(la, -1, keepdim=True)
+        lsb = lb - torch.logsumexp(lb, -1, keepdim=True)
+        K = la.shape[-1]
+        feats = torch.stack(
+            [la.unsqueeze(3).expand(-1, -1, K, K), lb.unsqueeze(2).expand(-1, -1, K, K),
+             lsa.unsqueeze(3).expand(-1, -1, K, K), lsb.unsqueeze(2).expand(-1, -1, K, K)], dim=-1)
+        x = x + self.w_l(feats.to(x.dtype))
+        delta = self.out(F.silu(x)).squeeze(-1)
+        return lb.unsqueeze(2).to(delta.dtype) + delta
+
+
+def shortlist(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidate logits and ids per position, best first: (N, P, k) each."""
+    vals, ids = torch.topk(logits, k, dim=-1)
+    return vals, ids
+
+
+def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
+    """Left-to-right selection: index 0 (the drafter's first choice) at the first position, then
+    argmax_b S_p(k_p, b). scores (N, P-1, K, K) -> indices (N, P)."""
+    N, P1, K, _ = scores.shape
+    idx = torch.zeros(N, P1 + 1, dtype=torch.long, device=scores.device)
+    rows = torch.arange(N, device=scores.device)
+    for p in range(P1):
+        idx[:, p + 1] = scores[rows, p, idx[:, p]].argmax(-1)
+    return idx
+
+
+def walk_sampled(scores: torch.Tensor, first_logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor):
+    """Sampled walk: k_1 ~ softmax(l_1 / T) over the shortlist, k_{p+1} ~ softmax(S_p(k_p, .) / T).
+    Returns indices (N, P) and the K-way distribution each index was drawn from (N, P, K)."""
+    N, P1, K, _ = scores.shape
+    T = temperature.view(N, 1).float()
+    probs = torch.zeros(N, P1 + 1, K, device=scores.device)
+    idx = torch.zeros(N, P1 + 1, dtype=torch.long, device=scores.device)
+    rows = torch.arange(N, device=scores.device)
+    probs[:, 0] = torch.softmax(first_logits.float() / T, -1)
+    idx[:, 0] = sample_from(probs[:, 0], uniforms[:, 0])
+    for p in range(P1):
+        probs[:, p + 1] = torch.softmax(scores[rows, p, idx[:, p]].float() / T, -1)
+        idx[:, p + 1] = sample_from(probs[:, p + 1], uniforms[:, p + 1])
+    return idx, probs
+
+
+class DCOCOModel(DFlashModel):
+    """The DFlash backbone plus the corrector (trained jointly)."""
+
+    def __init__(self, cfg: DFlashConfig, dcfg: DCOCOConfig):
+        super().__init__(cfg)
+        self.dcfg = dcfg
+        self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps)
+        nn.init.zeros_(self.corrector.out.weight)  # DFlashModel.__init__'s init ran before it existed
+
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
+        Returns (candidate ids (N, P, K), candidate logits (N, P, K), scores (N, P-1, K, K))."""
+        vals, ids = shortlist(logits, self.dcfg.top_k)
+        with torch.no_grad():
+            emb = embed(ids)
+        return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals)
+
+
+class DCOCODrafter(BlockDrafter):
+    method = "dcoco"
+
+    def __init__(self, model: DCOCOModel, target, correct: bool = True):
+        super().__init__(model, target)
+        self.correct = correct
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+        N, k, V = logits.shape
+        if not self.correct or k < 2:
+            return super().select(hidden, logits, inp)
+        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed)
+        greedy = torch.tensor([sp.greedy for sp in inp.params])
+        pick = walk_greedy(scores)
+        probs = None
+        if self.model.dcfg.sampled_walk and not greedy.all():
+            si = (~greedy).nonzero().squeeze(1)
+            temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
+            u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
+            sidx, sprobs = walk_sampled(scores[si], vals[si, 0], temps, u)
+            pick[si] = sidx
+            probs = torch.zeros(N, k, V, dtype=torch.float32)
+            probs[si] = probs[si].scatter(2, ids[si], sprobs)
+            gi = greedy.nonzero().squeeze(1)
+            if gi.numel():
+                probs[gi] = probs[gi].scatter(2, ids[gi].gather(2, pick[gi].unsqueeze(2)), 1.0)
+        tokens = ids.gather(2, pick.unsqueeze(2)).squeeze(2)
+        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)

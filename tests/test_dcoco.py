@@ -1,0 +1,144 @@
+"""DCOCO: zero-init equivalence, pair scores, selection walk, loss masking, losslessness, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import chi_square_pvalue, random_prompts, tiny_target
+from dcoco import SamplingParams
+from dcoco.drafters.base import DraftInput
+from dcoco.drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel, walk_greedy
+from dcoco.drafters.dflash import BlockDrafter, DFlashConfig, load_dflash, save_dflash
+from dcoco.engine import SpeculativeEngine
+from dcoco.sampling import probabilities
+from dcoco.train.trainer import DCOCOLoss
+
+LAYERS = 6
+
+
+def tiny(**over):
+    return tiny_target("llama", seed=11, num_hidden_layers=LAYERS, initializer_range=0.15, **over)
+
+
+def dcoco_model(target, seed=0, randomize=False, top_k=4, **dkw) -> DCOCOModel:
+    torch.manual_seed(seed)
+    cfg = DFlashConfig.for_target(target, num_layers=1, block_size=6, num_features=2)
+    model = DCOCOModel(cfg, DCOCOConfig(top_k=top_k, proj_dim=16, hidden=32, **dkw)).float().eval()
+    if randomize:  # a corrector that actually changes choices (checked below for this seed)
+        torch.manual_seed(103)
+        torch.nn.init.normal_(model.corrector.out.weight, std=30.0)
+    return model
+
+
+def _draft_input(target, n=3, k=5, params=None):
+    torch.manual_seed(1)
+    feats = [torch.randn(m, 2 * target.hidden_size) for m in (4, 9, 6)[:n]]
+    seqs = [list(range(1, m + 2)) for m in (4, 9, 6)[:n]]
+    params = params or [SamplingParams()] * n
+    return DraftInput(list(range(n)), seqs, feats, k, params, [torch.Generator().manual_seed(i) for i in range(n)])
+
+
+def test_zero_init_reproduces_dflash():
+    target = tiny()
+    model = dcoco_model(target)
+    a = DCOCODrafter(model, target).propose(_draft_input(target)).tokens
+    b = BlockDrafter(model, target).propose(_draft_input(target)).tokens
+    assert torch.equal(a, b)
+    c = DCOCODrafter(dcoco_model(target, randomize=True), target).propose(_draft_input(target)).tokens
+    assert not torch.equal(c, b)  # a trained-looking corrector does change choices
+
+
+def test_pair_scores_match_slow_reference():
+    target = tiny()
+    model = dcoco_model(target, randomize=True)
+    corr = model.corrector
+    torch.nn.init.normal_(corr.w_a.bias)
+    N, P, K, H = 2, 4, 3, target.hidden_size
+    emb, hid, logits = torch.randn(N, P, K, H), torch.randn(N, P, H), torch.randn(N, P, K)
+    fast = corr(emb, hid, logits)
+    z = corr.candidates(emb, hid)
+    # one concatenated first layer, applied pair by pair
+    W = torch.cat([corr.w_a.weight, corr.w_b.weight, corr.w_ab.weight, corr.w_s.weight, corr.w_l.weight], dim=1)
+    lsm = logits - torch.logsumexp(logits, -1, keepdim=True)
+    for n, p, a, b in itertools.product(range(N), range(P - 1), range(K), range(K)):
+        s = corr.norm_pair(corr.proj_pair(torch.cat([hid[n, p], hid[n, p + 1]])))
+        x = torch.cat([z[n, p, a], z[n, p + 1, b], z[n, p, a] * z[n, p + 1, b], s,
+                       torch.stack([logits[n, p, a], logits[n, p + 1, b], lsm[n, p, a], lsm[n, p + 1, b]])])
+        delta = corr.out(F.silu(W @ x + corr.w_a.bias))
+        assert torch.allclose(fast[n, p, a, b], logits[n, p + 1, b] + delta[0], atol=1e-4)
+
+
+def test_walk_matches_brute_force():
+    torch.manual_seed(0)
+    scores = torch.randn(5, 6, 4, 4)
+    idx = walk_greedy(scores)
+    for n in range(5):
+        k = [0]
+        for p in range(6):
+            k.append(max(range(4), key=lambda b: float(scores[n, p, k[-1], b])))
+        assert idx[n].tolist() == k
+
+
+def test_excluded_pairs_contribute_no_loss():
+    target = tiny()
+    model = dcoco_model(target, randomize=True)
+    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0, 1.0)
+    ids = torch.tensor([[[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]]])  # (1, P=4, K=3)
+    labels = torch.tensor([[6, 10, 99, 14]])  # position 2's label is not shortlisted
+    scores = torch.randn(1, 3, 3, 3, requires_grad=True)
+    l, m = loss.corrector_loss(ids, scores, labels)
+    l.backward()
+    # pairs (1,2) and (2,3) touch position 2: no gradient reaches their scores
+    assert scores.grad[0, 1].abs().sum() == 0 and scores.grad[0, 2].abs().sum() == 0
+    assert scores.grad[0, 0].abs().sum() > 0
+    assert m["recall_at_k"] == pytest.approx(0.75)
+
+
+def test_greedy_equality_with_correction():
+    target = tiny()
+    prompts = random_prompts(3, target.vocab_size, seed=5)
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    outs, st = SpeculativeEngine(target, DCOCODrafter(dcoco_model(target, randomize=True), target), 5).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and st.drafted > 0
+
+
+V = 5
+PROMPT = [1, 3, 0, 2, 4, 1]
+
+
+@pytest.mark.parametrize("sampled_walk", [False, True])
+def test_sampling_is_lossless(sampled_walk):
+    target = tiny_target("llama", seed=21, num_hidden_layers=LAYERS, vocab_size=V, initializer_range=0.08)
+    model = dcoco_model(target, randomize=True, top_k=3, sampled_walk=sampled_walk)
+    drafter = DCOCODrafter(model, target)
+    sp = SamplingParams(temperature=1.0, max_tokens=3)
+    samples = []
+    for start in range(0, 4000, 1000):
+        params = [sp.model_copy(update={"seed": 31 * i + 7}) for i in range(start, start + 1000)]
+        outs, stats = SpeculativeEngine(target, drafter, 2, max_batch_size=1000).generate([PROMPT] * 1000, params)
+        samples += [tuple(o.token_ids) for o in outs]
+    assert 0 < stats.accepted < stats.drafted
+    expected = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=3):
+            pr = 1.0
+            for i in range(3):
+                lg = target.model(torch.tensor([PROMPT + list(seq[:i])])).logits[0, -1]
+                pr *= float(probabilities(lg.view(1, -1), 1.0)[0, seq[i]])
+            expected[seq] = pr
+    assert chi_square_pvalue(samples, expected) > 1e-3
+
+
+def test_checkpoint_round_trip(tmp_path):
+    target = tiny()
+    model = dcoco_model(target, randomize=True)
+    save_dflash(tmp_path / "ck", model, method="dcoco", dtype=torch.float32)
+    loaded, raw = load_dflash(tmp_path / "ck")
+    assert isinstance(loaded, DCOCOModel) and raw["dcoco_config"]["top_k"] == 4 and raw["dcoco_method"] == "dcoco"
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
