@@ -71,6 +71,76 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(d)
     _add_spec_args(d, default_method=_default_method())
     d.add_argument("--max-new-tokens", type=int, default=160)
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmark methods and peers (tokens/s, speedup, acceptance) on MT-Bench, HumanEval, ShareGPT or a JSONL file",
+        description="Measure dcoco's methods and peers in one process on the same prompts; writes results.json, "
+        "results.md and PNG plots to --out. Lists are comma-separated. Re-running with the same --out skips "
+        "the rows already measured. Explicit flags override --preset values.",
+    )
+    b.add_argument("--preset", default=None, metavar="NAME", help="a named configuration: readme (the README headline table)")
+    b.add_argument("--methods", default=None, metavar="LIST",
+                   help="dcoco methods (vanilla, ngram and the available trained drafters), peers (hf_generate, "
+                   "hf_prompt_lookup, hf_assisted, llamacpp), or all (default: the engine methods + hf_generate,hf_prompt_lookup)")
+    b.add_argument("--datasets", default=None, metavar="LIST", help="mtbench, humaneval, sharegpt and/or .jsonl files (default: the three)")
+    b.add_argument("--temperatures", default=None, metavar="LIST", help="default 0,1")
+    b.add_argument("--seeds", default=None, metavar="LIST", help="seeds for T > 0, one row each (default 42,43,44)")
+    b.add_argument("--concurrency", default=None, metavar="LIST", help="requests in flight in dcoco's engine (default 1); peers run at 1 only")
+    b.add_argument("--num-prompts", default=None, metavar="N", help="the first N prompts of each dataset in file order, or 'all' "
+                   "(default 10; MT-Bench: N questions, both turns)")
+    b.add_argument("--max-new-tokens", default=None, metavar="N", help="default 256")
+    b.add_argument("--num-speculative-tokens", default=None, metavar="K", help="draft tokens per pass (default: each drafter's)")
+    b.add_argument("--top-k", default=None, metavar="K", help="for T > 0 (default 0: off)")
+    b.add_argument("--top-p", default=None, metavar="P", help="for T > 0 (default 1.0: off)")
+    b.add_argument("--model", default=None, metavar="DIR", help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--dtype", default=None, metavar="DTYPE", help="default bfloat16; float32 for exactness")
+    b.add_argument("--device", default=None, metavar="DEVICE", help="cpu (default), cuda, ...")
+    b.add_argument("--threads", default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
+    b.add_argument("--drafters", default=None, metavar="LIST",
+                   help="drafter checkpoints as METHOD=DIR,... (default: the shipped ones; a trained method without one is unavailable)")
+    b.add_argument("--out", default=None, metavar="DIR", help="output directory (default bench-results/run, or the preset's)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    dt = sub.add_parser("data", help="training data: regenerate answers (and target features) with the target")
+    dsub = dt.add_subparsers(dest="data_command", required=True)
+    rg = dsub.add_parser("regenerate", help="answer prompts with the target; resumable and incremental")
+    rg.add_argument("--out", required=True, help="data directory (created; a rerun resumes and extends it)")
+    rg.add_argument("--source", default="sharegpt", help="'sharegpt' (the training split) or a ShareGPT-format .jsonl")
+    rg.add_argument("--num-samples", type=int, required=True, help="total samples wanted in --out")
+    rg.add_argument("--max-new-tokens", type=int, default=384)
+    rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    rg.add_argument("--temperature", type=float, default=0.0)
+    rg.add_argument("--top-p", type=float, default=1.0)
+    rg.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (sample i uses seed + i)")
+    rg.add_argument("--num-features", type=int, default=5, help="target layers to tap (evenly spaced, DFlash default)")
+    rg.add_argument("--batch-size", type=int, default=48)
+    _add_model_args(rg)
+
+    tr = sub.add_parser("train", help="train a drafter from a YAML config (resumes from its run directory)")
+    tr.add_argument("--config", required=True, help="configs/NAME.yaml")
+    tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.steps=100")
+    sv = sub.add_parser(
+        "serve",
+        help="serve the model behind an OpenAI-compatible HTTP API (continuous batching, speculative decoding)",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions (streaming and not), "
+        "/v1/models, /health, /metrics (Prometheus). Ctrl-C / SIGTERM drain in-flight requests. See docs/serving.md.",
+    )
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    _add_model_args(sv)
+    _add_spec_args(sv, default_method="ngram")
+    sv.add_argument("--served-model-name", default=None, help="model name clients use (default: the model directory's name)")
+    sv.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (the rest wait)")
+    sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to join the batch; beyond it: 503")
+    sv.add_argument("--max-tokens-in-flight", type=int, default=None,
+                    help="join the batch only while the batch's prompt + max_tokens sum stays under N (default: no bound)")
+    sv.add_argument("--default-max-tokens", type=int, default=None,
+                    help="chat max_tokens when a request gives none (default: the rest of the context)")
+    sv.add_argument("--load-aware", action="store_true",
+                    help="shorten the draft block as the batch grows (k = min(K, budget // batch - 1); 0 = plain decoding)")
+    sv.add_argument("--draft-token-budget", type=int, default=32, help="tokens per verification pass for --load-aware")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
@@ -179,12 +249,70 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo}
+def cmd_bench(args) -> int:
+    from .bench import config_from_args, run_bench
+
+    cfg = config_from_args(args)
+    args.threads = cfg.threads  # validated
+    _setup(args)
+    return run_bench(cfg)
+
+
+def cmd_data(args) -> int:
+    from .drafters.dflash import default_target_layer_ids
+    from .sampling import SamplingParams
+    from .target import Target
+    from .train.data import jsonl_conversation_prompts, regenerate, sharegpt_train_prompts
+
+    if args.source == "sharegpt":
+        prompts = sharegpt_train_prompts()
+    elif args.source.endswith(".jsonl") and Path(args.source).is_file():
+        prompts = jsonl_conversation_prompts(args.source)
+    else:
+        raise InvalidPromptError(f"unknown source {args.source!r}: use 'sharegpt' or an existing .jsonl file")
+    sp = SamplingParams.make(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                             seed=None if args.temperature == 0 else args.seed)
+    _setup(args)
+    target = Target.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    # DFlash-family taps, plus the last layer's output: distribution-matching losses (DSpark,
+    # EAGLE-3) recompute the target's logits from it with the target's own final norm and LM head
+    taps = sorted({i + 1 for i in default_target_layer_ids(target.num_layers, args.num_features)} | {target.num_layers})
+    regenerate(target, prompts, args.out, num_samples=args.num_samples, taps=taps, sampling=sp,
+               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, source=args.source)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train.config import load_config
+    from .train.run import train
+
+    cfg = load_config(args.config, args.overrides)
+    train(cfg)
+    return 0
+
+
+
+def cmd_serve(args) -> int:
+    from .serve.server import run_server
+
+    _setup(args)
+    return run_server(args)
+
+
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "data": cmd_data, "train": cmd_train, "serve": cmd_serve}
+
+
+def _sigterm_as_interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import signal
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # long jobs save their work on a plain kill too
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     try:
         return COMMANDS[args.command](args)
     except DcocoError as e:

@@ -203,6 +203,27 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
 
+@torch.no_grad()
+def init_from_target(model: DFlashModel, target) -> None:
+    """Warm-start the backbone from the target: drafter layer i takes the weights of target layer
+    L - n + i (same decoder-layer design, so they already map hidden states to next-token
+    predictions), the final norm takes the target's, and the fusion starts as a copy of the highest
+    tapped feature. Training from this point converges much faster than from random layers."""
+    layers = target.model.model.layers
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        src = layers[len(layers) - n + i].state_dict()
+        shapes_ok = all(k not in layer.state_dict() or layer.state_dict()[k].shape == v.shape for k, v in src.items())
+        if shapes_ok:
+            layer.load_state_dict({k: v.float() for k, v in src.items()}, strict=False)
+    norm = getattr(target.model.model, "norm", None)
+    if norm is not None:
+        model.norm.weight.copy_(norm.weight.float())
+    H = model.cfg.hidden_size
+    model.fc.weight.zero_()
+    model.fc.weight[:, -H:] = torch.eye(H)
+
+
 def inference_mask(ctx_lens: torch.Tensor, T: int, B: int) -> torch.Tensor:
     """(N, 1, B, T + B): each block sees its request's first ctx_lens[n] context slots and itself."""
     N = ctx_lens.shape[0]

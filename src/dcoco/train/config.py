@@ -34,6 +34,7 @@ class DrafterSection(_Section):
     num_features: int = 5  # tapped target layers (evenly spaced, published default)
     intermediate_size: Optional[int] = None  # default: the target's
     init_from: Optional[str] = None  # warm start from a drafter checkpoint directory
+    init_from_target: bool = True  # else: random layers (see dflash.init_from_target)
     # DCOCO corrector (method: dcoco)
     top_k: int = 8
     proj_dim: int = 128
@@ -41,6 +42,20 @@ class DrafterSection(_Section):
     use_embedding: bool = True
     use_hidden: bool = True
     use_pair_context: bool = True
+    # DSpark Markov and confidence heads (method: dspark; see drafters/dspark.py)
+    markov_rank: int = 64  # r of bias = W2 . W1[x_prev]; W1, W2 hold 2 * vocab * r parameters
+    anchor_slot: bool = True  # slot j predicts x_{anchor+j+1}, B drafts per block (published); False: DFlash slots
+    confidence_head: bool = True  # c_j = sigmoid(w . [h_j; W1[x_{j-1}]]), trained with BCE
+    confidence_threshold: Optional[float] = None  # stored for inference: cut the block where prod c < threshold
+    dspark_ce_weight: float = 0.1  # loss = ce * CE + l1 * ||p_draft - p_target||_1 + confidence * BCE
+    dspark_l1_weight: float = 0.9
+    dspark_confidence_weight: float = 1.0
+    # EAGLE-3 (method: eagle3; one decoder layer as published, num_layers / block_size / num_features unused)
+    eagle_layer_ids: Optional[list[int]] = None  # 0-based decoder-layer ids (tap = id + 1); None: low/mid/high from the data's taps
+    draft_vocab_size: int = 8192  # most frequent response tokens of the training data (d2t / t2d)
+    ttt_steps: int = 7  # unrolled training-time-test steps
+    ttt_decay: float = 0.8  # step j of the unroll is weighted ttt_decay ** j
+    num_speculative_tokens: Optional[int] = None  # default chain length K stored in the checkpoint (None: ttt_steps)
 
 
 class OptimSection(_Section):
@@ -67,7 +82,7 @@ class RunSection(_Section):
 
 
 class TrainConfig(_Section):
-    method: Literal["dflash", "dcoco"] = "dflash"
+    method: Literal["dflash", "dcoco", "dspark", "eagle3"] = "dflash"
     target: TargetSection = TargetSection()
     data: DataSection = DataSection()
     drafter: DrafterSection = DrafterSection()

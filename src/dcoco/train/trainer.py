@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash import DFlashConfig, DFlashModel, load_dflash, save_dflash, training_mask
+from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, training_mask
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import RegeneratedData
@@ -235,10 +235,21 @@ class Trainer:
 
     # -- hooks for drafter families -------------------------------------------------------------
     def build_model(self) -> DFlashModel:
-        """The backbone (fresh or warm-started), plus a zero-initialised corrector for DCOCO."""
+        """The backbone (fresh or warm-started), plus a zero-initialised corrector for DCOCO or fresh
+        Markov / confidence heads for DSpark (train/dspark.py); EAGLE-3 builds its own (train/eagle3.py)."""
         from ..drafters.dcoco import DCOCOConfig, DCOCOModel
 
         d = self.cfg.drafter
+        if self.cfg.method == "eagle3":
+            from .eagle3 import build_eagle3_model
+
+            return build_eagle3_model(self)
+        if self.cfg.method == "dspark":
+            from .dspark import load_dspark_init
+
+            resumed = load_dspark_init(d.init_from)  # None unless init_from is a DSpark checkpoint
+            if resumed is not None:
+                return resumed.float().train()
         if d.init_from:
             model, _ = load_dflash(d.init_from)
             mcfg = model.cfg
@@ -246,21 +257,37 @@ class Trainer:
             mcfg = DFlashConfig.for_target(self.target, num_layers=d.num_layers, block_size=d.block_size,
                                            num_features=d.num_features, intermediate_size=d.intermediate_size)
             model = DFlashModel(mcfg)
+            if d.init_from_target:
+                init_from_target(model, self.target)
         if self.cfg.method == "dcoco" and not isinstance(model, DCOCOModel):
             dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
                                use_hidden=d.use_hidden, use_pair_context=d.use_pair_context)
             backbone = model
             model = DCOCOModel(mcfg, dcfg)
             model.load_state_dict(backbone.state_dict(), strict=False)
+        if self.cfg.method == "dspark":
+            from .dspark import dspark_from_backbone
+
+            model = dspark_from_backbone(model, d)
         return model.float().train()
 
     def build_loss(self):
         o = self.cfg.optim
+        if self.cfg.method in ("dspark", "eagle3"):  # these also read the target's last-layer feature
+            from .dspark import build_dspark_loss
+            from .eagle3 import build_eagle3_loss
+
+            return build_dspark_loss(self) if self.cfg.method == "dspark" else build_eagle3_loss(self)
         if self.cfg.method == "dcoco":
             return DCOCOLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma, o.corrector_weight)
         return DrafterLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma)
 
     def export(self, path: Path) -> None:
+        if self.cfg.method in ("dspark", "eagle3"):
+            from .dspark import export_dspark
+            from .eagle3 import export_eagle3
+
+            return (export_dspark if self.cfg.method == "dspark" else export_eagle3)(self, path)
         save_dflash(path, self.model, method=self.cfg.method, extra=self.provenance())
 
     def provenance(self) -> dict:
@@ -301,6 +328,8 @@ class Trainer:
 
     def _batch(self, samples: list[dict], n_anchors: int, gen: torch.Generator) -> Batch:
         feats = [self._features(s)[: len(s["input_ids"])] for s in samples]
+        if hasattr(self.loss, "make_batch"):  # hook: families with their own batch layout (DSpark, EAGLE-3)
+            return self.loss.make_batch(samples, feats, n_anchors, gen)
         anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
         return make_batch(samples, feats, anchors, self.model.cfg.block_size)
 
