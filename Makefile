@@ -25,5 +25,8 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+bench: setup
+	$(VENV)/bin/dcoco bench --preset readme
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

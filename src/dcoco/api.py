@@ -65,8 +65,6 @@ class LLM:
         ids = [self.target.encode(p, chat=chat) for p in prompts]
         sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         sps = [sampling_params] * len(ids) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        for i, sp in zip(ids, sps):
-            self.target.check_fits(len(i), 1)
         outs, stats = self.engine(speculative_config).generate(ids, sps, progress=progress)
         self.last_stats = stats
         return outs
