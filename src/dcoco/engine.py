@@ -61,6 +61,10 @@ class SpeculativeEngine:
 
     `num_speculative_tokens` is the draft block length (tokens proposed per pass); None takes the
     drafter's default. `max_batch_size` bounds how many requests run at once; others wait.
+
+    `draft_policy(batch_size, default_k) -> k`, when given, picks the draft block length of each
+    pass from the current batch size (load-aware drafting, e.g. `dcoco.serve.LoadAwarePolicy`);
+    0 means a plain decoding pass. Only the block length changes, so output stays lossless.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class SpeculativeEngine:
         drafter: Optional[Drafter] = None,
         num_speculative_tokens: Optional[int] = None,
         max_batch_size: int = 32,
+        draft_policy: Optional[Callable[[int, int], int]] = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -81,6 +86,7 @@ class SpeculativeEngine:
             raise ValueError("num_speculative_tokens must be >= 0")
         self.num_speculative_tokens = int(k)
         self.max_batch_size = int(max_batch_size)
+        self.draft_policy = draft_policy
         target.set_taps(drafter.tap_layers if drafter is not None else ())
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -147,7 +153,10 @@ class SpeculativeEngine:
         reqs = self.running
         B = len(reqs)
         room = self.target.max_context - int(self.kv.lengths.max()) - 1
-        k = max(0, min(self.num_speculative_tokens, room))
+        k = self.num_speculative_tokens
+        if self.draft_policy is not None and self.drafter is not None:
+            k = int(self.draft_policy(B, k))
+        k = max(0, min(k, room))
         draft = self._draft(reqs, k)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
         tokens = torch.cat([anchors.unsqueeze(1), draft.tokens], dim=1)
@@ -162,7 +171,9 @@ class SpeculativeEngine:
             for fn in self.on_pass:
                 fn(r, d_len[b], n_acc[b])
             if out.features is not None:
-                r.new_features = out.features[b, : n_acc[b] + 1]
+                f = out.features[b, : n_acc[b] + 1]
+                # a pass that drafted nothing (k == 0) never showed the drafter the earlier features
+                r.new_features = f if r.new_features is None else torch.cat([r.new_features, f])
             self._emit(r, emitted[b])
         return self._drop_finished()
 
