@@ -86,8 +86,21 @@ def _load_block_drafter(method: str):
     return load
 
 
+def _load_dspark(path: Optional[str], target) -> Drafter:
+    from .dspark import load_dspark_drafter
+
+    return load_dspark_drafter(path, target)
+
+
+def _load_eagle3(path: Optional[str], target) -> Drafter:
+    from .eagle3 import load_eagle3_drafter
+
+    return load_eagle3_drafter(path, target)
+
+
 # trained drafter families: method -> loader(path | None, target) -> Drafter
-_TRAINED: dict = {"dflash": _load_block_drafter("dflash"), "dcoco": _load_block_drafter("dcoco")}
+_TRAINED: dict = {"dflash": _load_block_drafter("dflash"), "dcoco": _load_block_drafter("dcoco"),
+                  "dspark": _load_dspark, "eagle3": _load_eagle3}
 
 
 def available_methods() -> list[str]:

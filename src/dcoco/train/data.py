@@ -69,13 +69,14 @@ class Prompt:
     messages: list
 
 
-def _read_lines(path: Path) -> list[dict]:
-    """Complete JSON lines of a file; a torn last line (crash mid-write) is cut off the file."""
+def _read_lines(path: Path, repair: bool = False) -> list[dict]:
+    """Complete JSON lines of a file. A torn last line (crash mid-write) is ignored; with `repair`
+    (only the writer, which owns the file) it is also cut off, so appends start on a clean line."""
     if not path.exists():
         return []
     raw = path.read_bytes()
     good_end = raw.rfind(b"\n") + 1
-    if good_end < len(raw):
+    if repair and good_end < len(raw):
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return [json.loads(l) for l in raw[:good_end].decode("utf-8").splitlines() if l.strip()]
@@ -151,7 +152,7 @@ def regenerate(
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, data.manifest_path)
 
-    done = data.samples()
+    done = _read_lines(data.samples_path, repair=True)
     data.clean_orphans(done)
     done_ids = {s["id"] for s in done}
     next_shard = max((s["shard"] for s in done), default=-1) + 1
