@@ -137,3 +137,39 @@ def chi_square_pvalue(samples, expected: dict) -> float:
         exp = np.append(exp[~small], exp[small].sum())
         obs = np.append(obs[~small], obs[small].sum())
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+LOSSLESS_PROMPT = [1, 3, 0, 2, 4, 1]
+
+
+def exact_joint(model, prompt: list[int], sp, depth: int = 3) -> dict:
+    """The target's exact distribution of its first `depth` tokens after `prompt`, by enumeration."""
+    import itertools
+
+    from dcoco.sampling import probabilities
+
+    V = model.config.vocab_size
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(V), repeat=depth):
+            pr = 1.0
+            for i in range(depth):
+                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
+                pr *= float(probabilities(logits.view(1, -1), sp.temperature, sp.top_k, sp.top_p)[0, seq[i]])
+            out[seq] = pr
+    return out
+
+
+def engine_lossless_pvalue(target, drafter, sp, n: int = 4000, k: int = 2, seed: int = 0):
+    """Run `n` seeded requests of 3 tokens through the real engine (first token from prefill, the
+    next two from a speculative pass) and test their joint distribution against the target's.
+    Returns (p-value, run stats)."""
+    from dcoco.engine import SpeculativeEngine
+
+    sp = sp.model_copy(update={"max_tokens": 3})
+    samples = []
+    for start in range(0, n, 1000):
+        params = [sp.model_copy(update={"seed": 7919 * i + seed}) for i in range(start, min(n, start + 1000))]
+        outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=1000).generate([LOSSLESS_PROMPT] * len(params), params)
+        samples += [tuple(o.token_ids) for o in outs]
+    return chi_square_pvalue(samples, exact_joint(target.model, LOSSLESS_PROMPT, sp)), stats

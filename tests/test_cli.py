@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import tiny_model
 from dcoco import (

@@ -26,7 +26,7 @@ from dcoco.train.trainer import Trainer, make_batch, position_weights, sample_an
 LAYERS = 6
 
 
-def tiny() -> "Target":
+def tiny():
     return tiny_target("llama", seed=11, num_hidden_layers=LAYERS, initializer_range=0.15)
 
 

@@ -21,7 +21,7 @@ import torch
 from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
 from dcoco import LLM, SamplingParams
 from dcoco.drafters import NgramDrafter
-from dcoco.drafters.base import DraftInput, DraftOutput, Drafter
+from dcoco.drafters.base import DraftInput, DraftOutput
 from dcoco.engine import SpeculativeEngine
 from dcoco.serve import LoadAwarePolicy
 from dcoco.serve.app import create_app
@@ -185,7 +185,6 @@ def test_16_concurrent_requests_equal_offline(server, offline):
 
 # -- bad input --------------------------------------------------------------------------------------
 def test_errors(server):
-    url = server.url + "/v1/completions"
 
     def post(body, path="/v1/completions"):
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()

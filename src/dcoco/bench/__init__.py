@@ -2,7 +2,7 @@
 
     from dcoco.bench import make_config, run_bench
     cfg = make_config({"methods": "vanilla,ngram,hf_generate", "datasets": "mtbench,humaneval",
-                       "num_prompts": 2, "max_new_tokens": 64, "temperatures": "0", "out": "/tmp/bench"})
+                       "num_prompts": 2, "max_new_tokens": 64, "temperatures": "0", "out": "bench-results/example"})
     run_bench(cfg)   # writes results.json, results.md, run.json, outputs/ and the PNG plots
 
 Modules: `config` (options, defaults, validation), `presets` (``--preset readme``), `runner` (rows,

@@ -17,15 +17,12 @@ K-way lookup of the walk is sequential, and it is vectorised over the batch.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from ..nn.layers import RMSNorm
-from ..sampling import probabilities
 from ..verify import draw_uniforms, sample_from
 from .base import DraftInput, DraftOutput
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel

@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import threading
