@@ -67,6 +67,20 @@ class Drafter(ABC):
         """Raise `DrafterMismatchError` if this drafter was not made for `target`."""
 
 
+def check_feature_drafter(target, vocab_size: int, hidden_size: int, num_target_layers: int, layer_ids) -> None:
+    """The compatibility check of drafters fed by target features: same vocabulary, same hidden
+    size, same depth (0-based decoder-layer ids must exist)."""
+    from ..errors import DrafterMismatchError
+
+    if vocab_size != target.vocab_size:
+        raise DrafterMismatchError(f"drafter vocabulary {vocab_size} != target vocabulary {target.vocab_size}")
+    if hidden_size != target.hidden_size:
+        raise DrafterMismatchError(f"drafter hidden size {hidden_size} != target hidden size {target.hidden_size}")
+    if num_target_layers != target.num_layers or max(layer_ids) >= target.num_layers:
+        raise DrafterMismatchError(
+            f"drafter was made for a {num_target_layers}-layer target, this target has {target.num_layers} layers")
+
+
 def pad_rows(rows: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack ragged token lists into (B, width) plus their lengths."""
     out = torch.zeros(len(rows), width, dtype=torch.long)

@@ -25,11 +25,11 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import DrafterMismatchError, ModelNotFoundError
+from ..errors import ModelNotFoundError
 from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
 from ..sampling import probabilities
 from ..verify import draw_uniforms, sample_from
-from .base import DraftInput, DraftOutput, Drafter
+from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
 from .checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -262,13 +262,7 @@ class BlockDrafter(Drafter):
     # -- compatibility ---------------------------------------------------------------------------
     def check_target(self, target) -> None:
         c = self.cfg
-        if c.vocab_size != target.vocab_size:
-            raise DrafterMismatchError(f"drafter vocabulary {c.vocab_size} != target vocabulary {target.vocab_size}")
-        if c.hidden_size != target.hidden_size:
-            raise DrafterMismatchError(f"drafter hidden size {c.hidden_size} != target hidden size {target.hidden_size}")
-        if c.num_target_layers != target.num_layers or max(c.target_layer_ids) >= target.num_layers:
-            raise DrafterMismatchError(
-                f"drafter was made for a {c.num_target_layers}-layer target, this target has {target.num_layers} layers")
+        check_feature_drafter(target, c.vocab_size, c.hidden_size, c.num_target_layers, c.target_layer_ids)
 
     # -- state ----------------------------------------------------------------------------------
     def release(self, request_id: int) -> None:

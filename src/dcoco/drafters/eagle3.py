@@ -45,10 +45,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import DrafterMismatchError, ModelNotFoundError
+from ..errors import ModelNotFoundError
 from ..nn.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
-from .base import DraftInput, DraftOutput, Drafter
+from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
 from .checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -353,13 +353,7 @@ class Eagle3Drafter(Drafter):
 
     def check_target(self, target) -> None:
         c = self.cfg
-        if c.vocab_size != target.vocab_size:
-            raise DrafterMismatchError(f"drafter vocabulary {c.vocab_size} != target vocabulary {target.vocab_size}")
-        if c.hidden_size != target.hidden_size:
-            raise DrafterMismatchError(f"drafter hidden size {c.hidden_size} != target hidden size {target.hidden_size}")
-        if c.num_target_layers != target.num_layers or max(c.layer_ids) >= target.num_layers:
-            raise DrafterMismatchError(
-                f"drafter was made for a {c.num_target_layers}-layer target, this target has {target.num_layers} layers")
+        check_feature_drafter(target, c.vocab_size, c.hidden_size, c.num_target_layers, c.layer_ids)
 
     def release(self, request_id: int) -> None:
         self.state.pop(request_id, None)
