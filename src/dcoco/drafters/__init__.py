@@ -67,14 +67,20 @@ def shipped_checkpoint(method: str) -> Optional[Path]:
     return p if (p / "config.json").exists() and (p / "model.safetensors").exists() else None
 
 
+def resolve_checkpoint(method: str, path: Optional[str]) -> Path:
+    """`path`, or the checkpoint shipped for the embedded target, or a clear error."""
+    ckpt = path or shipped_checkpoint(method)
+    if ckpt is None:
+        raise ModelNotFoundError(f"no {method} checkpoint is shipped in this build; pass one with --drafter PATH")
+    return Path(ckpt)
+
+
 def _load_block_drafter(method: str):
     def load(path: Optional[str], target) -> Drafter:
         from .dcoco import DCOCODrafter, DCOCOModel
         from .dflash import BlockDrafter, load_dflash
 
-        ckpt = path or shipped_checkpoint(method)
-        if ckpt is None:
-            raise ModelNotFoundError(f"no {method} checkpoint is shipped in this build; pass one with --drafter PATH")
+        ckpt = resolve_checkpoint(method, path)
         model, _ = load_dflash(ckpt, dtype=target.dtype)
         model = model.to(target.device)
         if method == "dcoco":

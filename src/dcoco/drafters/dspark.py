@@ -203,10 +203,8 @@ def load_dspark(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[D
 
 def load_dspark_drafter(path: Optional[str], target) -> DSparkDrafter:
     """Registry loader: `path` or the checkpoint shipped for the embedded target."""
-    from . import shipped_checkpoint
+    from . import resolve_checkpoint
 
-    ckpt = path or shipped_checkpoint("dspark")
-    if ckpt is None:
-        raise ModelNotFoundError("no dspark checkpoint is shipped in this build; pass one with --drafter PATH")
+    ckpt = resolve_checkpoint("dspark", path)
     model, _ = load_dspark(ckpt, dtype=target.dtype)
     return DSparkDrafter(model.to(target.device), target)

@@ -489,10 +489,8 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[E
 
 def load_eagle3_drafter(path: Optional[str], target) -> Eagle3Drafter:
     """Registry loader: `path` or the checkpoint shipped for the embedded target."""
-    from . import shipped_checkpoint
+    from . import resolve_checkpoint
 
-    ckpt = path or shipped_checkpoint("eagle3")
-    if ckpt is None:
-        raise ModelNotFoundError("no eagle3 checkpoint is shipped in this build; pass one with --drafter PATH")
+    ckpt = resolve_checkpoint("eagle3", path)
     model, _ = load_eagle3(ckpt, dtype=target.dtype)
     return Eagle3Drafter(model.to(target.device), target)
