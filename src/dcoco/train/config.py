@@ -79,7 +79,6 @@ class RunSection(_Section):
     out: str = "runs/dflash-smollm2"
     checkpoint_every: int = 100
     eval_every: int = 250
-    tensorboard: bool = False
 
 
 class TrainConfig(_Section):
