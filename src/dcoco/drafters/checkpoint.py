@@ -46,3 +46,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     except json.JSONDecodeError as e:
         raise ModelNotFoundError(f"{cfg}: invalid JSON ({e.msg})") from None
     return config, load_file(str(weights))
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], path) -> None:
+    """Load `state` into `model`, or fail with a clear error if the two do not match exactly."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -30,7 +30,7 @@ from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
 from ..sampling import probabilities
 from ..verify import draw_uniforms, sample_from
 from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -366,7 +366,5 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[D
         model: DFlashModel = DCOCOModel(cfg, DCOCOConfig(**raw["dcoco_config"]))
     else:
         model = DFlashModel(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    load_weights(model, state, path)
     return model.to(dtype), raw

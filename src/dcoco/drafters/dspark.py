@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ModelNotFoundError
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel, inference_mask
 
 
@@ -195,9 +195,7 @@ def load_dspark(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[D
     if "dspark_config" not in raw:
         raise ModelNotFoundError(f"{path} is not a DSpark checkpoint (no dspark_config); train one with method: dspark")
     model = DSparkModel(DFlashConfig.from_hf(raw), DSparkConfig(**raw["dspark_config"]))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    load_weights(model, state, path)
     return model.to(dtype), raw
 
 

@@ -49,7 +49,7 @@ from ..errors import ModelNotFoundError
 from ..nn.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 
 
 def default_eagle_layer_ids(num_target_layers: int, available_taps: Optional[Sequence[int]] = None) -> list[int]:
@@ -479,9 +479,7 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[E
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(model.cfg.draft_vocab_size) + state["d2t"].long()] = True
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    load_weights(model, state, path)
     if not torch.equal(model.t2d.nonzero().squeeze(1), model.draft_to_target):
         raise ModelNotFoundError(f"{path}: d2t and t2d disagree")
     return model.to(dtype), raw
