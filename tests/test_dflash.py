@@ -169,6 +169,30 @@ def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
         regenerate(target, prompts, root, num_samples=41, taps=[1], sampling=SamplingParams(max_tokens=24), progress=False)
 
 
+def test_union_of_regenerated_sets(tiny_data, tmp_path):
+    """Two directories regenerated side by side train as one set; a duplicate id is read once, and
+    directories with other settings are refused."""
+    from dcoco.train.data import RegeneratedUnion
+
+    target, root = tiny_data
+    samples = RegeneratedData(root).samples()
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples[:5]]
+    prompts.append(Prompt(id="extra", messages=[3, 4, 5]))
+    other = tmp_path / "other"
+    taps = RegeneratedData(root).manifest["taps"]
+    regenerate(target, prompts, other, num_samples=6, taps=taps, sampling=SamplingParams(max_tokens=24), progress=False)
+    union = RegeneratedUnion([str(root), str(other)])
+    got = union.samples()
+    assert sorted(s["id"] for s in got) == sorted([s["id"] for s in samples] + ["extra"])
+    extra = next(s for s in got if s["id"] == "extra")
+    assert union.features(extra).shape == (len(extra["input_ids"]) - 1, 2 * target.hidden_size)
+    Trainer(_cfg([str(root), str(other)], tmp_path / "run", **{"optim.steps": 2}), target, union).run(progress=False)
+    odd = tmp_path / "odd"
+    regenerate(target, prompts[:1], odd, num_samples=1, taps=taps, sampling=SamplingParams(max_tokens=7), progress=False)
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        RegeneratedUnion([root, odd]).manifest
+
+
 def _cfg(root, out, **over):
     base = {"data.path": str(root), "run.out": str(out), "optim.steps": 40, "optim.batch_size": 4,
             "optim.anchors_per_seq": 6, "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.autocast_bf16": False,

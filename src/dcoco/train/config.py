@@ -4,7 +4,7 @@ wrong types are errors (`ConfigError`), so a typo never silently trains the wron
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, TypeVar, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -22,7 +22,7 @@ class TargetSection(_Section):
 
 
 class DataSection(_Section):
-    path: str = "data/smollm2-sharegpt"
+    path: Union[str, list[str]] = "data/smollm2-sharegpt"  # one directory, or several read as one set
     max_length: int = 1024  # tokens per sequence (prompt + response), longer ones are cut
     eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
     eval_samples: int = 48  # at most this many of them are evaluated
@@ -100,7 +100,16 @@ def _set(tree: dict, dotted: str, value) -> None:
     node[keys[-1]] = value
 
 
+C = TypeVar("C", bound=BaseModel)
+
+
 def load_config(path: Optional[str], overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
+    return parse_config(TrainConfig, path, overrides)
+
+
+def parse_config(cls: type[C], path: Optional[str], overrides: tuple[str, ...] | list[str] = ()) -> C:
+    """A typed config from an optional YAML file plus `section.key=value` overrides (values are YAML);
+    any error (missing file, bad YAML, unknown key, wrong type) is one `ConfigError` line."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -118,7 +127,7 @@ def load_config(path: Optional[str], overrides: tuple[str, ...] | list[str] = ()
         k, v = o.split("=", 1)
         _set(tree, k.strip(), yaml.safe_load(v))
     try:
-        return TrainConfig(**tree)
+        return cls(**tree)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])

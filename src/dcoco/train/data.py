@@ -113,6 +113,41 @@ class RegeneratedData:
             p.unlink()
 
 
+class RegeneratedUnion:
+    """Several regenerated-data directories read as one training set: e.g. two regeneration
+    processes run side by side on disjoint prompt lists (one per CPU core). They must come from the
+    same target, taps and sampling settings; a sample id present twice is read once."""
+
+    def __init__(self, roots: str | Path | Sequence[str | Path]):
+        roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
+        if not roots:
+            raise ConfigError("data.path names no directory")
+        self.parts = [RegeneratedData(r) for r in roots]
+        self.root = ", ".join(str(p.root) for p in self.parts)
+
+    @property
+    def manifest(self) -> dict:
+        first = self.parts[0].manifest
+        for part in self.parts[1:]:
+            other = part.manifest
+            diff = sorted(k for k in set(first) | set(other) if k != "source" and first.get(k) != other.get(k))
+            if diff:
+                raise ConfigError(f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together")
+        return first
+
+    def samples(self) -> list[dict]:
+        seen, out = set(), []
+        for i, part in enumerate(self.parts):
+            for s in part.samples():
+                if s["id"] not in seen:
+                    seen.add(s["id"])
+                    out.append(dict(s, part=i))
+        return out
+
+    def features(self, sample: dict) -> torch.Tensor:
+        return self.parts[sample.get("part", 0)].features(sample)
+
+
 def regenerate(
     target,
     prompts: Iterable[Prompt],

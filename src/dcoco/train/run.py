@@ -6,7 +6,7 @@ import torch
 
 from ..target import Target
 from .config import TrainConfig
-from .data import RegeneratedData
+from .data import RegeneratedUnion
 from .trainer import Trainer
 
 
@@ -17,6 +17,6 @@ def train(cfg: TrainConfig) -> Trainer:
     if cfg.optim.threads:
         torch.set_num_threads(cfg.optim.threads)
     target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype)
-    trainer = Trainer(cfg, target, RegeneratedData(cfg.data.path))
+    trainer = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
     trainer.run()
     return trainer

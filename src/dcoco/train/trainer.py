@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, training_mask
 from ..errors import ConfigError
 from .config import TrainConfig
-from .data import RegeneratedData
+from .data import RegeneratedUnion
 
 
 def is_eval_sample(sample_id: str, permille: int = 20) -> bool:
@@ -191,8 +191,53 @@ def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tup
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
 
 
+def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator):
+    """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
+    features: the loss's own layout when it has a `make_batch` hook (DSpark, EAGLE-3), else DFlash
+    blocks at `n_anchors` anchors per sequence sampled from `gen`."""
+    if hasattr(loss, "make_batch"):
+        return loss.make_batch(samples, feats, n_anchors, gen)
+    anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
+    return make_batch(samples, feats, anchors, loss.model.cfg.block_size)
+
+
+def build_block_model(method: str, d, target) -> DFlashModel:
+    """A DFlash-family model (dflash, dcoco, dspark) for `target` from a `DrafterSection`: warm-started
+    from `d.init_from` or fresh (from the target's last layers when `d.init_from_target`), plus a
+    zero-initialised corrector (DCOCO) or fresh Markov / confidence heads (DSpark) when the
+    checkpoint lacks them. float32, in training mode."""
+    from ..drafters.dcoco import DCOCOConfig, DCOCOModel
+
+    if method == "dspark":
+        from .dspark import load_dspark_init
+
+        resumed = load_dspark_init(d.init_from)  # None unless init_from is a DSpark checkpoint
+        if resumed is not None:
+            return resumed.float().train()
+    if d.init_from:
+        model, _ = load_dflash(d.init_from)
+        mcfg = model.cfg
+    else:
+        mcfg = DFlashConfig.for_target(target, num_layers=d.num_layers, block_size=d.block_size,
+                                       num_features=d.num_features, intermediate_size=d.intermediate_size)
+        model = DFlashModel(mcfg)
+        if d.init_from_target:
+            init_from_target(model, target)
+    if method == "dcoco" and not isinstance(model, DCOCOModel):
+        dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
+                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context)
+        backbone = model
+        model = DCOCOModel(mcfg, dcfg)
+        model.load_state_dict(backbone.state_dict(), strict=False)
+    if method == "dspark":
+        from .dspark import dspark_from_backbone
+
+        model = dspark_from_backbone(model, d)
+    return model.float().train()
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, target, data: RegeneratedData):
+    def __init__(self, cfg: TrainConfig, target, data: RegeneratedUnion):
         self.cfg = cfg
         self.target = target
         self.data = data
@@ -237,39 +282,11 @@ class Trainer:
     def build_model(self) -> DFlashModel:
         """The backbone (fresh or warm-started), plus a zero-initialised corrector for DCOCO or fresh
         Markov / confidence heads for DSpark (train/dspark.py); EAGLE-3 builds its own (train/eagle3.py)."""
-        from ..drafters.dcoco import DCOCOConfig, DCOCOModel
-
-        d = self.cfg.drafter
         if self.cfg.method == "eagle3":
             from .eagle3 import build_eagle3_model
 
             return build_eagle3_model(self)
-        if self.cfg.method == "dspark":
-            from .dspark import load_dspark_init
-
-            resumed = load_dspark_init(d.init_from)  # None unless init_from is a DSpark checkpoint
-            if resumed is not None:
-                return resumed.float().train()
-        if d.init_from:
-            model, _ = load_dflash(d.init_from)
-            mcfg = model.cfg
-        else:
-            mcfg = DFlashConfig.for_target(self.target, num_layers=d.num_layers, block_size=d.block_size,
-                                           num_features=d.num_features, intermediate_size=d.intermediate_size)
-            model = DFlashModel(mcfg)
-            if d.init_from_target:
-                init_from_target(model, self.target)
-        if self.cfg.method == "dcoco" and not isinstance(model, DCOCOModel):
-            dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
-                               use_hidden=d.use_hidden, use_pair_context=d.use_pair_context)
-            backbone = model
-            model = DCOCOModel(mcfg, dcfg)
-            model.load_state_dict(backbone.state_dict(), strict=False)
-        if self.cfg.method == "dspark":
-            from .dspark import dspark_from_backbone
-
-            model = dspark_from_backbone(model, d)
-        return model.float().train()
+        return build_block_model(self.cfg.method, self.cfg.drafter, self.target)
 
     def build_loss(self):
         o = self.cfg.optim
@@ -328,10 +345,7 @@ class Trainer:
 
     def _batch(self, samples: list[dict], n_anchors: int, gen: torch.Generator) -> Batch:
         feats = [self._features(s)[: len(s["input_ids"])] for s in samples]
-        if hasattr(self.loss, "make_batch"):  # hook: families with their own batch layout (DSpark, EAGLE-3)
-            return self.loss.make_batch(samples, feats, n_anchors, gen)
-        anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
-        return make_batch(samples, feats, anchors, self.model.cfg.block_size)
+        return loss_batch(self.loss, samples, feats, n_anchors, gen)
 
     # -- loop --------------------------------------------------------------------------------
     def autocast(self):
