@@ -126,3 +126,41 @@ def test_checkpoint_round_trip(tmp_path):
     assert isinstance(loaded, DCOCOModel) and raw["dcoco_config"]["top_k"] == 4 and raw["dcoco_method"] == "dcoco"
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
+
+
+def test_inference_variants(tmp_path):
+    """Ablation options: shortlist size, correction off (= DFlash choices of the same backbone),
+    and the variant labels the bench accepts."""
+    from dcoco.drafters import SpeculativeConfig, load_drafter, variant_options
+    from dcoco.errors import ConfigError
+
+    target = tiny()
+    model = dcoco_model(target, randomize=True)
+    save_dflash(tmp_path / "ck", model, method="dcoco", dtype=torch.float32)
+    k2 = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_top_k=2), target)
+    assert k2.top_k == 2 and k2.correct
+    hid, logits = torch.randn(3, 5, target.hidden_size), torch.randn(3, 5, target.vocab_size)
+    assert model.pair_scores(hid, logits, target.model.get_input_embeddings(), k2.top_k)[2].shape == (3, 4, 2, 2)
+    off = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_correct=False), target)
+    plain = BlockDrafter(model, target).propose(_draft_input(target)).tokens
+    assert torch.equal(off.propose(_draft_input(target)).tokens, plain) and off.correct_seconds == 0
+    on = DCOCODrafter(model, target)
+    on.propose(_draft_input(target))
+    assert on.correct_seconds > 0
+    assert variant_options("dcoco/k16") == {"dcoco_top_k": 16} and variant_options("dcoco/nocorrect") == {"dcoco_correct": False}
+    assert variant_options("dcoco/sampled") == {"dcoco_walk": "sampled"} and variant_options("dcoco/noemb") == {}
+    with pytest.raises(ConfigError, match="apply to method dcoco"):
+        load_drafter(SpeculativeConfig(method="dflash", model=str(tmp_path / "ck"), dcoco_top_k=2), target)
+
+
+def test_bench_accepts_variant_labels(tmp_path):
+    from dcoco.bench import make_config
+    from dcoco.errors import UnknownMethodError
+
+    ck = tmp_path / "ck"
+    save_dflash(ck, dcoco_model(tiny()), method="dcoco", dtype=torch.float32)
+    cfg = make_config({"methods": "vanilla,dcoco,dcoco/k4,dcoco/nocorrect,dcoco/noemb",
+                       "drafters": f"dcoco={ck},dcoco/noemb={ck}"})
+    assert cfg.methods == ["vanilla", "dcoco", "dcoco/k4", "dcoco/nocorrect", "dcoco/noemb"]
+    with pytest.raises(UnknownMethodError, match="unknown variant"):
+        make_config({"methods": "dcoco/noemb", "drafters": f"dcoco={ck}"})

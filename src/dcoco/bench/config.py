@@ -120,8 +120,9 @@ def engine_methods() -> list[str]:
 
 def parse_drafters(value: Any) -> dict[str, str]:
     """``"dflash=DIR,dcoco=DIR"`` -> {method: absolute DIR}: drafter checkpoints to use instead of the
-    shipped ones (and for trained methods that ship none)."""
-    from ..drafters import METHODS
+    shipped ones (and for trained methods that ship none). A key may be a variant label
+    (``dcoco/noemb=DIR``): a second checkpoint of the same family, side by side."""
+    from ..drafters import METHODS, split_label
 
     if value is None:
         return {}
@@ -136,7 +137,7 @@ def parse_drafters(value: Any) -> dict[str, str]:
             items.append((method.strip(), path.strip()))
     out = {}
     for method, path in items:
-        if method not in METHODS or method in ("vanilla", "ngram"):
+        if split_label(method)[0] not in METHODS or split_label(method)[0] in ("vanilla", "ngram"):
             raise UnknownMethodError(f"--drafters: {method!r} is not a trained drafter method; choose from "
                                      f"{', '.join(m for m in METHODS if m not in ('vanilla', 'ngram'))}")
         p = Path(path).expanduser().resolve()
@@ -149,17 +150,26 @@ def parse_drafters(value: Any) -> dict[str, str]:
 def resolve_methods(names: Sequence[str], with_checkpoint: Sequence[str] = ()) -> list[str]:
     """Expand ``all`` / ``@engine`` and check every name; engine methods come first. Trained methods
     given a checkpoint with ``--drafters`` count as available."""
-    from ..drafters import METHODS
+    from ..drafters import METHODS, split_label, variant_options
 
     avail = engine_methods()
     avail += [m for m in METHODS if m in with_checkpoint and m not in avail]
     avail = [m for m in METHODS if m in avail]
     out: list[str] = []
     for n in names:
+        base, tag = split_label(n)
         if n in ("all", "@engine"):
             out += avail + (list(PEERS) if n == "all" else [])
         elif n in avail or n in PEERS:
             out.append(n)
+        elif tag:  # a variant: an inference option of an available method, or a label given a checkpoint
+            if n in with_checkpoint or (base in avail and variant_options(n)):
+                out.append(n)
+            elif base in avail:
+                raise UnknownMethodError(f"method {n!r}: unknown variant {tag!r} (dcoco knows kN, nocorrect, onehot, "
+                                         f"sampled; any other label needs --drafters {n}=DIR)")
+            else:
+                raise UnknownMethodError(f"method {n!r}: {base!r} is not available; available: {', '.join(avail)}")
         elif n in METHODS:
             raise UnknownMethodError(f"method {n!r} is not available in this build; available: {', '.join(avail + list(PEERS))}")
         else:

@@ -216,6 +216,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     [[m, ds, f"{t:g}", str(c)] + [_fmt(pp[i]) if i < len(pp) else "–" for i in range(width)]
                      for m, ds, t, c, pp in body])
 
+    over = [r for r in rows if r.get("corrector_overhead") is not None]
+    if over:
+        body = []
+        for m in methods:
+            for t in temps:
+                for c in concs:
+                    vals = [r["corrector_overhead"] for r in over
+                            if r["method"] == m and float(r["temperature"]) == t and int(r["concurrency"]) == c]
+                    if vals:
+                        body.append([m, f"{t:g}", str(c), f"{100 * mean(vals):.2f}%", f"{100 * max(vals):.2f}%"])
+        L += ["## DCOCO corrector overhead", "",
+              "Wall time spent in the shortlist, pair scoring and left-to-right walk, as a share of the "
+              "generation's wall time (mean and worst row over datasets and seeds).", ""]
+        L += _table(["method", "T", "concurrency", "mean", "max"], body)
+
     L += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
     return "\n".join(L)
 

@@ -53,6 +53,7 @@ ROW_KEYS = (
     "tokens_per_second", "speedup_vs_vanilla", "acceptance_length", "acceptance_rate",
     "per_position_acceptance", "greedy_match_rate", "device", "dtype", "threads", "git_commit",
 )
+OPTIONAL_ROW_KEYS = ("corrector_overhead",)  # DCOCO rows: share of the wall time spent correcting
 KEY_FIELDS = ("method", "dataset", "temperature", "seed", "concurrency")
 WARMUP_TOKENS = 8
 
@@ -150,11 +151,11 @@ def drafter_fingerprint(method: str, path: Optional[str]) -> Optional[str]:
 
     from .. import drafters
 
-    if method in ("vanilla", "ngram") or method in PEERS:
+    base = drafters.split_label(method)[0]
+    if base in ("vanilla", "ngram") or method in PEERS:
         return None
     if path is None:
-        shipped = getattr(drafters, "shipped_checkpoint", None)
-        found = shipped(method) if callable(shipped) else None
+        found = drafters.shipped_checkpoint(base)
         if found is None:
             return "shipped"
         path = str(found)
@@ -270,7 +271,8 @@ class BenchRunner:
     def _write(self) -> None:
         self.rows = sort_rows(derive(self.rows, self.outputs), self.cfg.methods,
                               [dataset_name(d) for d in self.cfg.datasets])
-        write_json_atomic(self.out / "results.json", [{k: r.get(k) for k in ROW_KEYS} for r in self.rows])
+        write_json_atomic(self.out / "results.json", [{k: r.get(k) for k in ROW_KEYS + OPTIONAL_ROW_KEYS if k in ROW_KEYS or k in r}
+                                                        for r in self.rows])
         self.meta["notes"] = list(dict.fromkeys(self.meta.get("notes", []) + self.notes))
         write_json_atomic(self.out / "run.json", self.meta)
 
@@ -334,11 +336,13 @@ class BenchRunner:
 
     # -- rows ---------------------------------------------------------------------------------------
     def _engine(self, method: str, concurrency: int):
-        from ..drafters import SpeculativeConfig, load_drafter
+        from ..drafters import SpeculativeConfig, load_drafter, split_label, variant_options
         from ..engine import SpeculativeEngine
 
         if method not in self._drafters:
-            cfg = SpeculativeConfig.parse({"method": method, "model": self.cfg.drafters.get(method),
+            base = split_label(method)[0]
+            cfg = SpeculativeConfig.parse({"method": base, **variant_options(method),
+                                           "model": self.cfg.drafters.get(method, self.cfg.drafters.get(base)),
                                            "num_speculative_tokens": self.cfg.num_speculative_tokens})
             self._drafters[method] = load_drafter(cfg, self.target)
         return SpeculativeEngine(self.target, self._drafters[method], self.cfg.num_speculative_tokens, concurrency)
@@ -407,6 +411,7 @@ class BenchRunner:
                 engine = self._engine(spec.method, spec.concurrency)
                 if inner is not None:
                     engine.on_pass.append(lambda _r, _d, acc: inner.update(acc + 1))
+                corrector_s = getattr(engine.drafter, "correct_seconds", None)
                 outs, stats = engine.generate(ids, self._params(spec, len(ids)), progress=False)
                 token_ids, wall, tokens = [o.token_ids for o in outs], stats.wall_s, stats.output_tokens
                 texts = [o.text for o in outs]
@@ -417,6 +422,8 @@ class BenchRunner:
                     acceptance_rate=round(stats.acceptance_rate, 4) if drafted else None,
                     per_position_acceptance=[round(x, 4) for x in stats.per_position_acceptance] if drafted else None,
                 )
+                if corrector_s is not None and wall > 0:  # DCOCO: share of the wall time spent correcting
+                    row["corrector_overhead"] = round((engine.drafter.correct_seconds - corrector_s) / wall, 5)
         finally:
             if inner is not None:
                 inner.close()
@@ -435,7 +442,7 @@ class BenchRunner:
         self.rows, self.meta = load_existing(self.out, self.settings)
         prints = dict(self.meta.get("drafters") or {})
         for m in cfg.methods:
-            fp = drafter_fingerprint(m, cfg.drafters.get(m))
+            fp = drafter_fingerprint(m, cfg.drafters.get(m, cfg.drafters.get(m.partition("/")[0])))
             if fp is None:
                 continue
             if m in prints and prints[m] != fp and any(r["method"] == m for r in self.rows):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -27,6 +28,10 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # DCOCO inference options (ablations; None keeps the checkpoint's setting)
+    dcoco_top_k: Optional[int] = None  # shortlist size K
+    dcoco_walk: Optional[Literal["onehot", "sampled"]] = None  # T > 0: one-hot corrected draft (a) or sampled walk (b)
+    dcoco_correct: bool = True  # False: draft with the DCOCO checkpoint's backbone alone, as plain DFlash
 
     @field_validator("method")
     @classmethod
@@ -40,6 +45,13 @@ class SpeculativeConfig(BaseModel):
     def _k(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and not 0 <= v <= 64:
             raise ValueError(f"num_speculative_tokens must be in [0, 64], got {v}")
+        return v
+
+    @field_validator("dcoco_top_k")
+    @classmethod
+    def _top_k(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not 1 <= v <= 256:
+            raise ValueError(f"dcoco_top_k must be in [1, 256], got {v}")
         return v
 
     @classmethod
@@ -109,6 +121,27 @@ _TRAINED: dict = {"dflash": _load_block_drafter("dflash"), "dcoco": _load_block_
                   "dspark": _load_dspark, "eagle3": _load_eagle3}
 
 
+def split_label(label: str) -> tuple[str, str]:
+    """`METHOD/TAG` -> (METHOD, TAG): a labelled variant of a method (bench ablations); TAG may be ''."""
+    base, _, tag = label.partition("/")
+    return base, tag
+
+
+def variant_options(label: str) -> dict:
+    """SpeculativeConfig options a variant label stands for. DCOCO tags: `kN` (shortlist of N),
+    `nocorrect` (its backbone alone), `onehot` / `sampled` (the T > 0 draft variant). Any other tag
+    only names a checkpoint given explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
+    base, tag = split_label(label)
+    if base != "dcoco" or not tag:
+        return {}
+    if tag == "nocorrect":
+        return {"dcoco_correct": False}
+    if tag in ("onehot", "sampled"):
+        return {"dcoco_walk": tag}
+    m = re.fullmatch(r"k(\d+)", tag)
+    return {"dcoco_top_k": int(m[1])} if m else {}
+
+
 def available_methods() -> list[str]:
     """Methods that run out of the box on the embedded target (trained ones need a shipped checkpoint)."""
     return [m for m in METHODS if m in ("vanilla", "ngram") or (m in _TRAINED and shipped_checkpoint(m))]
@@ -125,8 +158,13 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
             raise ConfigError(str(e)) from None
     if cfg.method not in _TRAINED:
         raise UnknownMethodError(f"method {cfg.method!r} is not implemented yet; available: {', '.join(available_methods())}")
+    dcoco_opts = cfg.dcoco_top_k is not None or cfg.dcoco_walk is not None or not cfg.dcoco_correct
+    if dcoco_opts and cfg.method != "dcoco":
+        raise ConfigError(f"dcoco_* options apply to method dcoco, not {cfg.method}")
     drafter = _TRAINED[cfg.method](cfg.model, target)
     drafter.check_target(target)
+    if cfg.method == "dcoco":
+        drafter.configure(correct=cfg.dcoco_correct, top_k=cfg.dcoco_top_k, walk=cfg.dcoco_walk)
     return drafter
 
 

@@ -17,6 +17,9 @@ K-way lookup of the walk is sequential, and it is vectorised over the batch.
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -140,10 +143,11 @@ class DCOCOModel(DFlashModel):
         self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps)
         nn.init.zeros_(self.corrector.out.weight)  # DFlashModel.__init__'s init ran before it existed
 
-    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None):
         """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
-        Returns (candidate ids (N, P, K), candidate logits (N, P, K), scores (N, P-1, K, K))."""
-        vals, ids = shortlist(logits, self.dcfg.top_k)
+        Returns (candidate ids (N, P, K), candidate logits (N, P, K), scores (N, P-1, K, K)); K is the
+        trained top_k unless given (the corrector scores any K: an inference-time ablation)."""
+        vals, ids = shortlist(logits, top_k or self.dcfg.top_k)
         with torch.no_grad():
             emb = embed(ids)
         return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals)
@@ -155,16 +159,35 @@ class DCOCODrafter(BlockDrafter):
     def __init__(self, model: DCOCOModel, target, correct: bool = True):
         super().__init__(model, target)
         self.correct = correct
+        self.top_k = model.dcfg.top_k
+        self.sampled_walk = model.dcfg.sampled_walk
+        self.correct_seconds = 0.0  # wall time spent in shortlist + pair scores + walk (overhead accounting)
+
+    def configure(self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None) -> "DCOCODrafter":
+        """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled')."""
+        self.correct = correct
+        if top_k is not None:
+            self.top_k = top_k
+        if walk is not None:
+            self.sampled_walk = walk == "sampled"
+        return self
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
         N, k, V = logits.shape
         if not self.correct or k < 2:
             return super().select(hidden, logits, inp)
-        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed)
+        t0 = time.perf_counter()
+        out = self._corrected(hidden, logits, inp)
+        self.correct_seconds += time.perf_counter() - t0
+        return out
+
+    def _corrected(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+        N, k, V = logits.shape
+        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k)
         greedy = torch.tensor([sp.greedy for sp in inp.params])
         pick = walk_greedy(scores)
         probs = None
-        if self.model.dcfg.sampled_walk and not greedy.all():
+        if self.sampled_walk and not greedy.all():
             si = (~greedy).nonzero().squeeze(1)
             temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
             u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
