@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--out", required=True, help="data directory (created; a rerun resumes and extends it)")
     rg.add_argument("--source", default="sharegpt", help="'sharegpt' (the training split) or a ShareGPT-format .jsonl")
     rg.add_argument("--num-samples", type=int, required=True, help="total samples wanted in --out")
+    rg.add_argument("--from-end", action="store_true",
+                    help="take prompts from the end of the source: a second process run side by side (one per core) "
+                         "into another --out gets disjoint prompts; train on both directories (data.path: [A, B])")
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     rg.add_argument("--temperature", type=float, default=0.0)
@@ -119,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a drafter from a YAML config (resumes from its run directory)")
     tr.add_argument("--config", required=True, help="configs/NAME.yaml")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.steps=100")
+    rl = sub.add_parser(
+        "rl",
+        help="GRPO post-training with online draft co-training (resumes from run.out); 'rl compare RUN_DIR ...' tabulates runs",
+        description="dcoco rl --config configs/rl_smollm2.yaml [section.key=value ...] trains; "
+        "dcoco rl compare RUN_DIR ... [--out DIR] writes a table and a plot of several runs, with speedups "
+        "against the run without a draft. See docs/rl.md.",
+    )
+    rl.add_argument("--config", default=None, help="configs/NAME.yaml (default: built-in defaults)")
+    rl.add_argument("--out", default=None, help="rl compare: output directory (default runs/rl-compare)")
+    rl.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rl.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. grpo.steps=10 draft.method=none")
     sv = sub.add_parser(
         "serve",
         help="serve the model behind an OpenAI-compatible HTTP API (continuous batching, speculative decoding)",
@@ -269,6 +283,8 @@ def cmd_data(args) -> int:
         prompts = jsonl_conversation_prompts(args.source)
     else:
         raise InvalidPromptError(f"unknown source {args.source!r}: use 'sharegpt' or an existing .jsonl file")
+    if args.from_end:
+        prompts = reversed(list(prompts))
     sp = SamplingParams.make(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                              seed=None if args.temperature == 0 else args.seed)
     _setup(args)
@@ -277,7 +293,8 @@ def cmd_data(args) -> int:
     # EAGLE-3) recompute the target's logits from it with the target's own final norm and LM head
     taps = sorted({i + 1 for i in default_target_layer_ids(target.num_layers, args.num_features)} | {target.num_layers})
     regenerate(target, prompts, args.out, num_samples=args.num_samples, taps=taps, sampling=sp,
-               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, source=args.source)
+               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
+               source=args.source + (" (from the end)" if args.from_end else ""))
     return 0
 
 
@@ -290,6 +307,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_rl(args) -> int:
+    from .errors import ConfigError
+
+    if args.overrides and args.overrides[0] == "compare":
+        from .rl.report import compare
+
+        md = compare(args.overrides[1:], args.out or "runs/rl-compare")
+        print(md.read_text(), end="")
+        return 0
+    if args.out is not None:
+        raise ConfigError("--out is for 'rl compare'; set the run directory with run.out=DIR")
+    from .rl.config import load_rl_config
+    from .rl.loop import run_rl
+
+    cfg = load_rl_config(args.config, args.overrides)
+    run_rl(cfg, progress=not args.no_progress)
+    return 0
+
 
 def cmd_serve(args) -> int:
     from .serve.server import run_server
@@ -298,7 +333,8 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "data": cmd_data, "train": cmd_train, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "data": cmd_data, "train": cmd_train,
+            "rl": cmd_rl, "serve": cmd_serve}
 
 
 def _sigterm_as_interrupt(*_):

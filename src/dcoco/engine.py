@@ -19,7 +19,7 @@ import torch
 from .drafters.base import DraftInput, DraftOutput, Drafter
 from .errors import InvalidPromptError
 from .metrics import SpecStats
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, token_logprobs
 from .target import Target
 from .verify import sample_tokens, verify
 
@@ -36,6 +36,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)
     new_features: Optional[torch.Tensor] = None  # target features not yet shown to the drafter
+    logprobs: Optional[list[float]] = None  # log p of each output token under its sampling distribution (opt-in)
 
     @property
     def finished(self) -> bool:
@@ -54,6 +55,7 @@ class GenerationOutput:
     text: str
     finish_reason: str
     stats: SpecStats
+    logprobs: Optional[list[float]] = None
 
 
 class SpeculativeEngine:
@@ -65,6 +67,11 @@ class SpeculativeEngine:
     `draft_policy(batch_size, default_k) -> k`, when given, picks the draft block length of each
     pass from the current batch size (load-aware drafting, e.g. `dcoco.serve.LoadAwarePolicy`);
     0 means a plain decoding pass. Only the block length changes, so output stays lossless.
+
+    `logprobs=True` records, for every output token, log p(token) under the request's own sampling
+    distribution p, read from the target logits the pass already computed (prefill for the first
+    token, the verification pass for the others): the rollout policy's log-probabilities that RL
+    compares with the trainer's (`dcoco.rl`). Off by default: it costs a log-sum-exp per emitted token.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class SpeculativeEngine:
         num_speculative_tokens: Optional[int] = None,
         max_batch_size: int = 32,
         draft_policy: Optional[Callable[[int, int], int]] = None,
+        logprobs: bool = False,
     ):
         self.target = target
         self.drafter = drafter
@@ -87,6 +95,7 @@ class SpeculativeEngine:
         self.num_speculative_tokens = int(k)
         self.max_batch_size = int(max_batch_size)
         self.draft_policy = draft_policy
+        self.logprobs = logprobs
         target.set_taps(drafter.tap_layers if drafter is not None else ())
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -106,6 +115,7 @@ class SpeculativeEngine:
             prompt_ids=prompt_ids,
             params=params,
             generator=make_generator(params.seed),
+            logprobs=[] if self.logprobs else None,
         )
         self.waiting.append(req)
         return req
@@ -139,14 +149,16 @@ class SpeculativeEngine:
         n = self.max_batch_size - len(self.running)
         new = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
         kv, out = self.target.prefill([r.prompt_ids for r in new])
-        first = sample_tokens(out.logits, [r.params for r in new], [r.generator for r in new])
+        params = [r.params for r in new]
+        first = sample_tokens(out.logits, params, [r.generator for r in new])
+        lps = token_logprobs(out.logits.unsqueeze(1), first.unsqueeze(1), params)[:, 0].tolist() if self.logprobs else None
         for b, r in enumerate(new):
             if out.features is not None:
                 r.new_features = out.features[b, : len(r.prompt_ids)]
         self.kv.extend(kv)
         self.running += new
-        for r, t in zip(new, first.tolist()):
-            self._emit(r, [t])
+        for b, (r, t) in enumerate(zip(new, first.tolist())):
+            self._emit(r, [t], None if lps is None else [lps[b]])
         return self._drop_finished()
 
     def _speculate(self) -> list[Request]:
@@ -165,6 +177,7 @@ class SpeculativeEngine:
         self.kv.commit(res.num_accepted + 1)
         emitted = res.emitted(draft.tokens)
         n_acc = res.num_accepted.tolist()
+        lps = self._logprobs(out.logits, emitted, reqs) if self.logprobs else None
         d_len = draft.lengths.tolist()
         for b, r in enumerate(reqs):
             r.stats.record(d_len[b], n_acc[b])
@@ -174,8 +187,17 @@ class SpeculativeEngine:
                 f = out.features[b, : n_acc[b] + 1]
                 # a pass that drafted nothing (k == 0) never showed the drafter the earlier features
                 r.new_features = f if r.new_features is None else torch.cat([r.new_features, f])
-            self._emit(r, emitted[b])
+            self._emit(r, emitted[b], None if lps is None else lps[b])
         return self._drop_finished()
+
+    def _logprobs(self, logits: torch.Tensor, emitted: list[list[int]], reqs: list[Request]) -> list[list[float]]:
+        """log p of the tokens each row emits: token j of a row was chosen at logit position j."""
+        width = max(len(e) for e in emitted)
+        tokens = torch.zeros(len(emitted), width, dtype=torch.long)
+        for b, e in enumerate(emitted):
+            tokens[b, : len(e)] = torch.tensor(e, dtype=torch.long)
+        lp = token_logprobs(logits[:, :width], tokens, [r.params for r in reqs]).tolist()
+        return [row[: len(e)] for row, e in zip(lp, emitted)]
 
     def _draft(self, reqs: list[Request], k: int) -> DraftOutput:
         if self.drafter is None or k == 0:
@@ -197,12 +219,14 @@ class SpeculativeEngine:
             out.probs = None if out.probs is None else out.probs[:, :k]
         return out
 
-    def _emit(self, req: Request, tokens: list[int]) -> None:
+    def _emit(self, req: Request, tokens: list[int], logprobs: Optional[list[float]] = None) -> None:
         """Append tokens one by one, stopping at EOS, a stop token or string, or a length limit."""
         target = self.target
         p = req.params
-        for t in tokens:
+        for i, t in enumerate(tokens):
             req.output_ids.append(t)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[i])
             if (not p.ignore_eos and t in target.eos_token_ids) or t in p.stop_token_ids:
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens:
@@ -275,7 +299,8 @@ class SpeculativeEngine:
             total.merge(r.stats)
         total.wall_s = time.perf_counter() - start
         outs = [
-            GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text or "", r.finish_reason or "length", r.stats)
+            GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text or "", r.finish_reason or "length", r.stats,
+                             r.logprobs)
             for r in reqs
         ]
         return outs, total

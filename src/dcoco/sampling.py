@@ -100,6 +100,21 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     return probs
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> torch.Tensor:
+    """log p(token) (B, T) of `tokens` (B, T) under each row's sampling distribution p of `logits`
+    (B, T, V): the same transform as `probabilities`, so these are the log-probabilities of the
+    distribution the tokens were drawn from (RL uses them as the rollout policy's)."""
+    out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+    for b, sp in enumerate(params):
+        tok = tokens[b].to(logits.device).unsqueeze(-1)
+        if sp.top_k <= 0 and sp.top_p >= 1.0:  # plain temperature: log-softmax without the full p
+            x = logits[b].float() / max(sp.temperature, 1e-6)
+            out[b] = x.gather(-1, tok).squeeze(-1) - torch.logsumexp(x, dim=-1)
+        else:
+            out[b] = probabilities(logits[b], sp.temperature, sp.top_k, sp.top_p).gather(-1, tok).squeeze(-1).log()
+    return out
+
+
 def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> torch.Generator:
     """A private RNG per request, so results do not depend on the batch a request runs in."""
     g = torch.Generator(device=device)

@@ -323,7 +323,9 @@ class BlockDrafter(Drafter):
         T = kv[0][0].shape[2]
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
         hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
-        hidden = hidden[:, 1 : k + 1]
+        # contiguous: a bf16 Linear whose weight does not require grad is ~100x slower on CPU for a
+        # strided input (torch 2.13), e.g. a frozen target's LM head
+        hidden = hidden[:, 1 : k + 1].contiguous()
         logits = self.lm_head(hidden).float()  # (N, k, V)
         return self.select(hidden, logits, inp)
 

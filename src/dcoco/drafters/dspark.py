@@ -148,7 +148,8 @@ class DSparkDrafter(BlockDrafter):
         positions = start.unsqueeze(1) + torch.arange(B)
         T = kv[0][0].shape[2]
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
-        hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)[:, off : off + k]
+        hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
+        hidden = hidden[:, off : off + k].contiguous()  # contiguous: see BlockDrafter.propose
         logits = self.lm_head(hidden).float()  # (N, k, V) base logits U
         return self.select(hidden, logits, inp)
 

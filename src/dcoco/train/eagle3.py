@@ -177,10 +177,19 @@ def build_eagle3_model(trainer) -> Eagle3Model:
         ids = list(d.eagle_layer_ids) if d.eagle_layer_ids else default_eagle_layer_ids(target.num_layers, taps)
     except ValueError as e:
         raise ConfigError(f"{trainer.data.root}: {e}") from None
-    cfg = Eagle3Config.for_target(target, ids, d.draft_vocab_size, d.intermediate_size,
-                                  d.num_speculative_tokens or d.ttt_steps)
+    size = min(d.draft_vocab_size, target.vocab_size)
+    return new_eagle3_model(target, ids, d, top_tokens(response_token_counts(trainer), size))
+
+
+def new_eagle3_model(target, layer_ids: list[int], d, draft_ids: Optional[torch.Tensor]) -> Eagle3Model:
+    """A fresh EAGLE-3 drafter on the target layers `layer_ids` (0-based decoder-layer ids), with the
+    draft vocabulary `draft_ids` (None: the whole target vocabulary, for when no data exists yet to
+    count tokens in) and its LM head started from the target's rows of it. float32, training mode."""
+    size = target.vocab_size if draft_ids is None else len(draft_ids)
+    cfg = Eagle3Config.for_target(target, layer_ids, size, d.intermediate_size, d.num_speculative_tokens or d.ttt_steps)
     model = Eagle3Model(cfg)
-    model.set_vocab(top_tokens(response_token_counts(trainer), cfg.draft_vocab_size))
+    if draft_ids is not None:
+        model.set_vocab(draft_ids)
     model.init_lm_head_from(target.model.get_output_embeddings())
     return model.float().train()
 
@@ -196,4 +205,4 @@ def export_eagle3(trainer, path) -> None:
 
 
 __all__ = ["Eagle3Batch", "Eagle3Loss", "build_eagle3_loss", "build_eagle3_model", "export_eagle3",
-           "make_eagle3_batch", "response_token_counts", "top_tokens", "ttt_weights"]
+           "make_eagle3_batch", "new_eagle3_model", "response_token_counts", "top_tokens", "ttt_weights"]

@@ -1,0 +1,167 @@
+"""Online draft co-training: the draft phi learns from the RL step's own rollout tokens and the
+policy's features at the drafter's taps, captured during the policy forward of that step and
+detached, so
+
+    L(theta, phi) = L_RL(theta) + lambda * L_draft(phi; x, stopgrad(H_theta(x))).
+
+The draft loss is the family's offline training loss, unchanged (`DrafterLoss`, `DCOCOLoss`,
+`DSparkLoss`, `Eagle3Loss`, batches from `loss_batch`): rollout sequences take the place of
+regenerated samples and live policy features the place of stored ones. DSpark and EAGLE-3 also read
+the policy's last layer (tap L, before the final norm) to recompute its next-token distribution.
+
+Stop-gradient, both ways: the features are detached, and the draft reads the policy's embedding
+and LM head (shared, not copied, so the draft always drafts for the current policy) through
+`Detached`, so no draft gradient reaches theta; the draft has its own optimizer and gradient
+clipping, so theta's update is exactly the one without the draft term (tested bitwise).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.func import functional_call
+
+from ..drafters import shipped_checkpoint
+from ..drafters.base import Drafter
+from ..target import Target
+from ..train.trainer import DCOCOLoss, DrafterLoss, build_block_model, loss_batch
+from .config import DraftSection
+
+LAST_LAYER_FAMILIES = ("dspark", "eagle3")
+
+
+class Detached:
+    """Calls a module with its parameters detached: the draft reads the policy's embedding and LM
+    head without sending gradient into them."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        params = {n: p.detach() for n, p in self.module.named_parameters()}
+        return functional_call(self.module, params, (x,))
+
+
+def initial_checkpoint(cfg: DraftSection) -> Optional[str]:
+    """`draft.init_from`, else the checkpoint shipped for the embedded target, else None (fresh)."""
+    if cfg.init_from == "fresh":
+        return None
+    if cfg.init_from:
+        return cfg.init_from
+    shipped = shipped_checkpoint(cfg.method)
+    return str(shipped) if shipped is not None else None
+
+
+def build_draft_model(cfg: DraftSection, target: Target) -> torch.nn.Module:
+    """The draft to co-train, float32: loaded from `initial_checkpoint`, or fresh from `cfg.arch`."""
+    path = initial_checkpoint(cfg)
+    if cfg.method == "eagle3":
+        from ..drafters.eagle3 import default_eagle_layer_ids, load_eagle3
+        from ..train.eagle3 import new_eagle3_model
+
+        if path:
+            return load_eagle3(path)[0].float().train()
+        ids = list(cfg.arch.eagle_layer_ids or default_eagle_layer_ids(target.num_layers))
+        return new_eagle3_model(target, ids, cfg.arch, None)
+    return build_block_model(cfg.method, cfg.arch.model_copy(update={"init_from": path}), target)
+
+
+def build_draft_loss(cfg: DraftSection, model: torch.nn.Module, target: Target):
+    """The family's training loss, reading the policy's embedding / LM head / final norm detached."""
+    embed = Detached(target.model.get_input_embeddings())
+    head = Detached(target.model.get_output_embeddings())
+    gamma, a = cfg.loss_decay_gamma, cfg.arch
+    split = len(model.cfg.taps) * target.hidden_size
+    if cfg.method == "dflash":
+        return DrafterLoss(model, embed, head, gamma)
+    if cfg.method == "dcoco":
+        return DCOCOLoss(model, embed, head, gamma, cfg.corrector_weight)
+    from ..train.dspark import DSparkLoss, TargetHead
+
+    if cfg.method == "dspark":
+        return DSparkLoss(model, embed, head, gamma, TargetHead(target), split, a.dspark_ce_weight,
+                          a.dspark_l1_weight, a.dspark_confidence_weight)
+    from ..train.eagle3 import Eagle3Loss
+
+    return Eagle3Loss(model, embed, TargetHead(target), split, a.ttt_steps, a.ttt_decay, a.ttt_slots)
+
+
+def make_drafter(method: str, model: torch.nn.Module, target: Target) -> Drafter:
+    """A fresh inference wrapper around `model` (no per-request state left from earlier rollouts)."""
+    if method == "dflash":
+        from ..drafters.dflash import BlockDrafter
+
+        return BlockDrafter(model, target)
+    if method == "dcoco":
+        from ..drafters.dcoco import DCOCODrafter
+
+        return DCOCODrafter(model, target)
+    if method == "dspark":
+        from ..drafters.dspark import DSparkDrafter
+
+        return DSparkDrafter(model, target)
+    from ..drafters.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(model, target)
+
+
+class DraftCoTrainer:
+    """The draft of an RL run: model, loss, optimizer. `target` is the policy being trained."""
+
+    def __init__(self, cfg: DraftSection, target: Target):
+        self.cfg, self.method = cfg, cfg.method
+        self.model = build_draft_model(cfg, target)
+        make_drafter(self.method, self.model, target).check_target(target)
+        self.model.eval()
+        self.taps = list(self.model.cfg.taps)
+        # policy features the loss reads: the drafter's taps, then the last layer for DSpark / EAGLE-3
+        self.feature_taps = self.taps + ([target.num_layers] if self.method in LAST_LAYER_FAMILIES else [])
+        self.loss = build_draft_loss(cfg, self.model, target)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    def backward(self, samples: list[dict], feats: list[torch.Tensor], gen: torch.Generator) -> dict:
+        """lambda * L_draft on this step's rollouts, backpropagated into the draft only. A frozen draft
+        (`cotrain: false`) is scored the same way, without gradients, to show how it goes stale."""
+        self.model.train()  # EAGLE-3's batch layout reads the training flag
+        try:
+            batch = loss_batch(self.loss, samples, feats, self.cfg.anchors_per_seq, gen)
+            with torch.set_grad_enabled(self.cfg.cotrain):
+                loss, extras = self.loss(batch)
+            if self.cfg.cotrain:
+                (self.cfg.weight * loss).backward()
+            with torch.no_grad():
+                tau = self.loss.eval_metrics(extras, batch.labels)["eval_tau"]
+        finally:
+            self.model.eval()
+        out = {"draft_loss": loss.item(), "draft_tau_teacher_forced": tau}
+        out.update({f"draft_{k}": v for k, v in extras.get("metrics", {}).items() if isinstance(v, (int, float))})
+        return out
+
+    def update(self) -> dict:
+        if not self.cfg.cotrain:
+            return {}
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"draft_grad_norm": gnorm.item()}
+
+    def export(self, path: Path, extra: Optional[dict] = None) -> None:
+        """The draft as a checkpoint directory that `dcoco generate --method M --drafter DIR` loads."""
+        if self.method == "eagle3":
+            from ..drafters.eagle3 import save_eagle3
+
+            save_eagle3(path, self.model, extra=extra)
+        elif self.method == "dspark":
+            from ..drafters.dspark import save_dspark
+
+            save_dspark(path, self.model, extra=extra)
+        else:
+            from ..drafters.dflash import save_dflash
+
+            save_dflash(path, self.model, method=self.method, extra=extra)

@@ -1,0 +1,155 @@
+"""Plots of one RL run and the comparison of several (`dcoco rl compare RUN_DIR ...`).
+
+Speedups are measured against the run whose draft method is `none` (the no-draft baseline, same
+config otherwise): rollout speedup = rollout tokens/s over the baseline's, end-to-end speedup =
+rollout tokens per second of the whole step (rollout + policy update + draft update) over the
+baseline's. Throughputs, not times, because the runs' completions differ in length. The table uses
+medians over steps (the machine is shared and noisy); the plot shows the per-step ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+
+
+def read_log(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(log: Path, out: Path, title: str = "GRPO") -> Optional[Path]:
+    """reward, validation accuracy, acceptance length and draft loss vs step."""
+    rows = read_log(log)
+    if not rows:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(2, 2, figsize=(10, 7))
+    ax = ax.ravel()
+    mk = "." if len(rows) < 40 else None  # a short run still shows its points
+    ax[0].plot(*_series(rows, "reward"), marker=mk, label="reward")
+    ax[0].plot(*_series(rows, "solved"), marker=mk, alpha=0.6, label="exact (reward 1)")
+    ax[0].set_ylabel("rollout reward")
+    ax[1].plot(*_series(rows, "val_acc"), "o-", label="exact match")
+    ax[1].plot(*_series(rows, "val_reward"), "s--", alpha=0.7, label="reward")
+    ax[1].set_ylabel("validation (greedy)")
+    ax[2].plot(*_series(rows, "acceptance_length"), marker=mk, label="rollouts (sampled)")
+    ax[2].plot(*_series(rows, "val_acceptance_length"), "o-", label="validation (T=0)")
+    ax[2].set_ylabel("acceptance length")
+    ax[3].plot(*_series(rows, "draft_loss"), marker=mk, label="draft loss")
+    ax[3].set_ylabel("draft loss")
+    for a in ax:
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return Path(out)
+
+
+def _median(rows: list[dict], key: str) -> Optional[float]:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else None
+
+
+def _run_summary(d: Path) -> dict:
+    cfg = json.loads((d / "config.json").read_text())
+    rows = read_log(d / "log.jsonl")
+    steps = [r for r in rows if "reward" in r]
+    if not steps:
+        raise ConfigError(f"{d}: no training steps logged yet")
+    val = [r for r in rows if "val_acc" in r]
+    last = steps[-10:]
+    return {
+        "run": d.name, "dir": str(d), "method": cfg["draft"]["method"], "cotrain": cfg["draft"]["cotrain"],
+        "steps": steps[-1]["step"], "rows": steps,
+        "reward_last10": sum(r["reward"] for r in last) / len(last),
+        "val_acc_first": val[0]["val_acc"] if val else None, "val_acc_last": val[-1]["val_acc"] if val else None,
+        "acceptance_length": _median(steps, "acceptance_length"),
+        "rollout_tps": _median(steps, "rollout_tps"), "step_tps": _median(steps, "step_tps"),
+        "rollout_s": _median(steps, "rollout_s"), "step_s": _median(steps, "step_s"),
+        "train_infer_kl": _median(steps, "train_infer_kl"),
+    }
+
+
+def compare(run_dirs: list[str], out: str) -> Path:
+    """Table (compare.md, compare.json) and plot (compare.png) of several runs of the same task."""
+    if not run_dirs:
+        raise ConfigError("rl compare needs at least one run directory")
+    runs = []
+    for d in map(Path, run_dirs):
+        if not (d / "config.json").exists() or not (d / "log.jsonl").exists():
+            raise ConfigError(f"not an RL run directory (no config.json / log.jsonl): {d}")
+        runs.append(_run_summary(d))
+    base = next((r for r in runs if r["method"] == "none"), None)
+    for r in runs:
+        ok = base is not None and r["rollout_tps"] and base["rollout_tps"]
+        r["rollout_speedup"] = r["rollout_tps"] / base["rollout_tps"] if ok else None
+        r["e2e_speedup"] = r["step_tps"] / base["step_tps"] if ok and base["step_tps"] else None
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+
+    def f(x, p=2, unit=""):
+        return "-" if x is None else f"{x:.{p}f}{unit}"
+
+    lines = ["| run | draft | co-trained | steps | reward (last 10) | val acc first -> last | acceptance length | "
+             "rollout tok/s | rollout speedup | step tok/s | end-to-end speedup | train-infer KL |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        lines.append(f"| {r['run']} | {r['method']} | {'yes' if r['cotrain'] and r['method'] != 'none' else 'no'} | "
+                     f"{r['steps']} | {f(r['reward_last10'], 3)} | {f(r['val_acc_first'])} -> {f(r['val_acc_last'])} | "
+                     f"{f(r['acceptance_length'])} | {f(r['rollout_tps'], 1)} | {f(r['rollout_speedup'], unit='x')} | "
+                     f"{f(r['step_tps'], 1)} | {f(r['e2e_speedup'], unit='x')} | {f(r['train_infer_kl'], 6)} |")
+    note = ("Medians over steps. Speedups are tokens/s ratios against the `none` run"
+            + ("." if base else "; no `none` run given, so no speedups."))
+    (outd / "compare.md").write_text("\n".join(lines) + "\n\n" + note + "\n")
+    (outd / "compare.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "rows"} for r in runs], indent=2) + "\n")
+    _plot_compare(runs, base, outd / "compare.png")
+    return outd / "compare.md"
+
+
+def _plot_compare(runs: list[dict], base: Optional[dict], out: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    ax = ax.ravel()
+    base_tps = {r["step"]: r["rollout_tps"] for r in base["rows"]} if base else {}
+    for i, r in enumerate(runs):
+        style = {"label": r["run"], "color": f"C{i}"}
+        ax[0].plot(*_series(r["rows"], "reward"), **style)
+        ax[1].plot(*_series(r["rows"], "acceptance_length"), **style)
+        ax[2].plot(*_series(r["rows"], "rollout_tps"), **style)
+        if base and r is not base:
+            pts = [(s["step"], s["rollout_tps"] / base_tps[s["step"]]) for s in r["rows"] if base_tps.get(s["step"])]
+            ax[3].plot([p[0] for p in pts], [p[1] for p in pts], **style)
+    for a, y in zip(ax, ("rollout reward", "acceptance length", "rollout tokens/s", "rollout speedup vs no draft")):
+        a.set_xlabel("step")
+        a.set_ylabel(y)
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
