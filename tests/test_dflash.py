@@ -251,3 +251,21 @@ def test_resume_equals_uninterrupted(tiny_data, tmp_path, monkeypatch):
 def test_config_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
+
+
+def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
+    """method: dcoco from a DFlash checkpoint with train_backbone: false keeps the backbone exactly
+    (so DCOCO without correction is that DFlash) and moves only the corrector."""
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "dflash", **{"optim.steps": 3}), target, RegeneratedData(root)).run(progress=False)
+    base, _ = load_dflash(tmp_path / "dflash" / "drafter", dtype=torch.float32)
+    over = {"optim.steps": 4, "drafter.init_from": str(tmp_path / "dflash" / "drafter"), "drafter.train_backbone": False,
+            "drafter.top_k": 3, "drafter.proj_dim": 8, "drafter.corrector_hidden": 16}
+    tr = Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over), target, RegeneratedData(root))
+    tr.run(progress=False)
+    got = tr.model.state_dict()
+    for k, v in base.state_dict().items():
+        assert torch.equal(got[k], v), k
+    assert tr.model.corrector.out.weight.abs().sum() > 0
+    with pytest.raises(ConfigError, match="train_backbone"):
+        Trainer(_cfg(root, tmp_path / "x", **{"drafter.train_backbone": False}), target, RegeneratedData(root))

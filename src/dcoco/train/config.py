@@ -42,6 +42,7 @@ class DrafterSection(_Section):
     use_embedding: bool = True
     use_hidden: bool = True
     use_pair_context: bool = True
+    train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
     # DSpark Markov and confidence heads (method: dspark; see drafters/dspark.py)
     markov_rank: int = 64  # r of bias = W2 . W1[x_prev]; W1, W2 hold 2 * vocab * r parameters
     anchor_slot: bool = True  # slot j predicts x_{anchor+j+1}, B drafts per block (published); False: DFlash slots

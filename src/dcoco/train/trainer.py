@@ -233,6 +233,11 @@ def build_block_model(method: str, d, target) -> DFlashModel:
         from .dspark import dspark_from_backbone
 
         model = dspark_from_backbone(model, d)
+    if not d.train_backbone:
+        if method != "dcoco":
+            raise ConfigError("drafter.train_backbone: false only applies to method dcoco (it trains the corrector alone)")
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("corrector."))
     return model.float().train()
 
 
