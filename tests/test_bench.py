@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from dcoco.bench import KEY_FIELDS, ROW_KEYS, derive
@@ -327,3 +328,35 @@ def test_drafter_checkpoints_count_as_available_and_are_fingerprinted(tmp_path):
     os.utime(ck / "model.safetensors", ns=(1, 1))
     assert drafter_fingerprint("dflash", str(ck)) != a
     assert drafter_fingerprint("ngram", None) is None and drafter_fingerprint("hf_generate", None) is None
+
+
+def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
+    """Ablation rows: DCOCO, its backbone alone and another shortlist size, all lossless (float32),
+    with the corrector's share of the wall time reported for the corrected rows."""
+    from dcoco.drafters.dcoco import DCOCOConfig, DCOCOModel
+    from dcoco.drafters.dflash import DFlashConfig, save_dflash
+    from dcoco.target import Target
+
+    target = Target.from_pretrained(tiny_chat_dir, dtype="float32")
+    torch.manual_seed(0)
+    model = DCOCOModel(DFlashConfig.for_target(target, num_layers=1, block_size=4, num_features=2),
+                       DCOCOConfig(top_k=3, proj_dim=8, hidden=16))
+    torch.nn.init.normal_(model.corrector.out.weight, std=5.0)
+    ck = tmp_path / "ck"
+    save_dflash(ck, model, method="dcoco", dtype=torch.float32)
+    out = tmp_path / "bench"
+    args = bench_args(tiny_chat_dir, out, "humaneval", methods="vanilla,dcoco,dcoco/nocorrect,dcoco/k2",
+                      drafters=f"dcoco={ck}", concurrency="1")
+    assert main(args) == 0, capsys.readouterr().err
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["method"] for r in rows} == {"vanilla", "dcoco", "dcoco/nocorrect", "dcoco/k2"}
+    for r in rows:
+        if r["temperature"] == 0:
+            assert r["greedy_match_rate"] == 1.0, r
+        if r["method"] == "vanilla":
+            assert "corrector_overhead" not in r
+        elif r["method"] == "dcoco/nocorrect":
+            assert r["corrector_overhead"] == 0
+        else:
+            assert 0 < r["corrector_overhead"] < 1
+    assert "## DCOCO corrector overhead" in (out / "results.md").read_text()
