@@ -55,6 +55,7 @@ def test_mtbench_turn2_uses_the_given_first_answer():
     both = load_prompts("mtbench", 3, mtbench_answer=answer)
     assert [p.id for p in both] == [p.id for p in t1] + [p.id for p in t2]
     assert [p.id for p in load_prompts("mtbench", 3)] == [p.id for p in t1]
+    assert [p.id for p in load_prompts("mtbench_turn1", 3, mtbench_answer=answer)] == [p.id for p in t1]
 
 
 def test_humaneval_has_164_prompts_in_the_documented_wording():

