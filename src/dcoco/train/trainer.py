@@ -280,6 +280,7 @@ class Trainer:
         self.step = 0
         self.gen = torch.Generator().manual_seed(o.seed)
         self.epoch, self.order, self.cursor = 0, None, 0
+        self.train_seconds = 0.0  # wall time of the training steps so far (kept across resumes)
         self.log_path = self.out / "log.jsonl"
         self._resume()
 
@@ -314,6 +315,7 @@ class Trainer:
 
     def provenance(self) -> dict:
         return {"dcoco_training": {"step": self.step, "train_samples": len(self.train_samples),
+                                   "train_seconds": round(self.train_seconds), "threads": torch.get_num_threads(),
                                    "data": str(self.cfg.data.path), "config": self.cfg.model_dump()}}
 
     # -- schedule and data -------------------------------------------------------------------
@@ -406,6 +408,7 @@ class Trainer:
             while self.step < o.steps:
                 t0 = time.time()
                 m = self.train_step()
+                self.train_seconds += time.time() - t0
                 m.update(step=self.step, epoch=self.epoch, step_s=round(time.time() - t0, 3))
                 if self.eval_samples and (self.step % r.eval_every == 0 or self.step == o.steps):
                     last_eval = self.evaluate()
@@ -436,6 +439,7 @@ class Trainer:
             "epoch": self.epoch,
             "order": self.order,
             "cursor": self.cursor,
+            "train_seconds": self.train_seconds,
             "gen": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "py_rng": random.getstate(),
@@ -457,6 +461,7 @@ class Trainer:
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
+        self.train_seconds = st.get("train_seconds", 0.0)
         self.gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
