@@ -269,3 +269,23 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     assert tr.model.corrector.out.weight.abs().sum() > 0
     with pytest.raises(ConfigError, match="train_backbone"):
         Trainer(_cfg(root, tmp_path / "x", **{"drafter.train_backbone": False}), target, RegeneratedData(root))
+
+
+def test_default_draft_length_round_trips(tmp_path):
+    target = tiny()
+    cfg = DFlashConfig.for_target(target, num_layers=1, block_size=6, num_features=2)
+    assert BlockDrafter(DFlashModel(cfg), target).default_num_tokens == 5
+    cfg.num_speculative_tokens = 2
+    save_dflash(tmp_path / "ck", DFlashModel(cfg))
+    model, raw = load_dflash(tmp_path / "ck")
+    assert raw["dcoco_num_speculative_tokens"] == 2 and BlockDrafter(model, target).default_num_tokens == 2
+
+
+def test_finished_run_started_again_reexports(tiny_data, tmp_path):
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "run", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
+    over = {"optim.steps": 2, "drafter.num_speculative_tokens": 3}
+    tr = Trainer(_cfg(root, tmp_path / "run", **over), target, RegeneratedData(root))
+    tr.run(progress=False)
+    model, raw = load_dflash(tmp_path / "run" / "drafter")
+    assert tr.step == 2 and raw["dcoco_num_speculative_tokens"] == 3

@@ -59,6 +59,9 @@ class DFlashConfig(BaseModel):
     target_layer_ids: list[int]
     mask_token_id: int
     qk_norm: bool = True
+    # default draft tokens per pass at inference (None: block_size - 1); a shipped checkpoint sets it
+    # where its held-out per-position acceptance says later slots no longer pay for their verification
+    num_speculative_tokens: Optional[int] = None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -120,6 +123,8 @@ class DFlashConfig(BaseModel):
             "dcoco_method": method,
             "dcoco_qk_norm": self.qk_norm,
         }
+        if self.num_speculative_tokens is not None:
+            d["dcoco_num_speculative_tokens"] = self.num_speculative_tokens
         d.update(extra or {})
         return d
 
@@ -143,6 +148,7 @@ class DFlashConfig(BaseModel):
                 target_layer_ids=dc["target_layer_ids"],
                 mask_token_id=dc["mask_token_id"],
                 qk_norm=d.get("dcoco_qk_norm", True),
+                num_speculative_tokens=d.get("dcoco_num_speculative_tokens"),
             )
         except KeyError as e:
             raise ModelNotFoundError(f"drafter config.json lacks field {e.args[0]!r}") from None
@@ -254,7 +260,7 @@ class BlockDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.tap_layers = self.cfg.taps
-        self.default_num_tokens = self.cfg.block_size - 1
+        self.default_num_tokens = self.cfg.num_speculative_tokens or self.cfg.block_size - 1
         self.dtype = next(model.parameters()).dtype
         self.ctx: dict[int, list[list[torch.Tensor]]] = {}  # request -> per layer [k, v] (1, h, T, d)
         self.ctx_len: dict[int, int] = {}

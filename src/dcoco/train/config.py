@@ -57,7 +57,7 @@ class DrafterSection(_Section):
     ttt_steps: int = 7  # unrolled training-time-test steps
     ttt_decay: float = 0.8  # step j of the unroll is weighted ttt_decay ** j
     ttt_slots: Optional[int] = None  # start slots per sequence whose chains are unrolled (sampled like anchors); None: all
-    num_speculative_tokens: Optional[int] = None  # default chain length K stored in the checkpoint (None: ttt_steps)
+    num_speculative_tokens: Optional[int] = None  # default draft tokens per pass stored in the checkpoint (None: ttt_steps / block_size - 1)
 
 
 class OptimSection(_Section):

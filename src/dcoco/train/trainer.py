@@ -233,6 +233,8 @@ def build_block_model(method: str, d, target) -> DFlashModel:
         from .dspark import dspark_from_backbone
 
         model = dspark_from_backbone(model, d)
+    if d.num_speculative_tokens is not None:  # the inference default stored in the checkpoint
+        model.cfg.num_speculative_tokens = d.num_speculative_tokens
     if not d.train_backbone:
         if method != "dcoco":
             raise ConfigError("drafter.train_backbone: false only applies to method dcoco (it trains the corrector alone)")
@@ -404,6 +406,7 @@ class Trainer:
         bar = tqdm(total=o.steps, initial=self.step, desc=f"train {self.cfg.method}", unit="step",
                    file=sys.stderr, disable=not progress)
         last_eval = None
+        finished_on_start = self.step >= o.steps
         try:
             while self.step < o.steps:
                 t0 = time.time()
@@ -423,6 +426,8 @@ class Trainer:
             raise
         finally:
             bar.close()
+        if finished_on_start:  # started again after the last step: re-export (e.g. new inference defaults)
+            self.export(self.out / "drafter")
         self.plot()
 
     # -- persistence -----------------------------------------------------------------------------
