@@ -31,6 +31,18 @@ def test_ngram_greedy_equals_vanilla_and_hf(smollm):
     assert llm.last_stats.acceptance_length > 1.0
 
 
+@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+def test_shipped_drafters_are_lossless(smollm, method):
+    """The checkpoints shipped for SmolLM2 load with no path and reproduce vanilla greedy decoding
+    token for token (float32), while actually accepting drafts."""
+    llm = LLM(target=smollm)
+    sp = SamplingParams(max_tokens=48)
+    vanilla = llm.generate(PROMPTS, sp)
+    spec = llm.generate(PROMPTS, sp, speculative_config={"method": method})
+    assert [o.token_ids for o in spec] == [o.token_ids for o in vanilla]
+    assert llm.last_stats.acceptance_length > 1.05 and llm.last_stats.drafted > 0
+
+
 def test_chat_template_and_eos(smollm):
     out = LLM(target=smollm).generate("What is the capital of France?", SamplingParams(max_tokens=64))[0]
     assert "Paris" in out.text and out.finish_reason == "stop" and out.token_ids[-1] in smollm.eos_token_ids
