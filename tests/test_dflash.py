@@ -267,6 +267,11 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     for k, v in base.state_dict().items():
         assert torch.equal(got[k], v), k
     assert tr.model.corrector.out.weight.abs().sum() > 0
+    # an inference default changed on the finished run is re-exported with the same weights
+    Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over, **{"drafter.sampled_walk": True}), target,
+            RegeneratedData(root)).run(progress=False)
+    again, raw = load_dflash(tmp_path / "dcoco" / "drafter")
+    assert raw["dcoco_config"]["sampled_walk"] and again.dcfg.sampled_walk
     with pytest.raises(ConfigError, match="train_backbone"):
         Trainer(_cfg(root, tmp_path / "x", **{"drafter.train_backbone": False}), target, RegeneratedData(root))
 

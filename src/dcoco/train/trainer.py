@@ -225,7 +225,7 @@ def build_block_model(method: str, d, target) -> DFlashModel:
             init_from_target(model, target)
     if method == "dcoco" and not isinstance(model, DCOCOModel):
         dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
-                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context)
+                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context, sampled_walk=d.sampled_walk)
         backbone = model
         model = DCOCOModel(mcfg, dcfg)
         model.load_state_dict(backbone.state_dict(), strict=False)
