@@ -28,7 +28,13 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
     ev = [r for r in rows if "eval_loss" in r]
     if ev:
         ax[0].plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss")
-        ax[1].plot([r["step"] for r in ev], [r["eval_tau"] for r in ev], "o-", color="tab:green")
+        xs = [r["step"] for r in ev]
+        corrected = "eval_tau_dflash" in ev[-1]  # DCOCO logs the same drafts without correction and the oracle
+        ax[1].plot(xs, [r["eval_tau"] for r in ev], "o-", color="tab:green", label="with correction" if corrected else None)
+        if corrected:
+            ax[1].plot(xs, [r.get("eval_tau_dflash") for r in ev], "s--", color="tab:gray", label="same drafts, no correction")
+            ax[1].plot(xs, [r.get("eval_tau_oracle") for r in ev], "^:", color="tab:purple", label="oracle (best of shortlist)")
+            ax[1].legend()
     ax[0].set_xlabel("step"), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
     ax[1].set_xlabel("step"), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)
     fig.suptitle(title)
