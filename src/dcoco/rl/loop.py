@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..metrics import SpecStats
 from ..sampling import SamplingParams
 from ..target import Target, resolve_dtype
+from ..train.runstate import append_log, save_state, truncate_log
 from .config import RLConfig
 from .cotrain import DraftCoTrainer, make_drafter
 from .grpo import completion_logprobs, group_advantages, grpo_loss
@@ -272,8 +273,7 @@ class RLRun:
 
     # -- persistence --------------------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        append_log(self.log_path, m)
 
     def state(self) -> dict:
         st = {"step": self.step, "policy": self.model.state_dict(), "opt": self.opt.state_dict(),
@@ -284,9 +284,7 @@ class RLRun:
 
     def save(self) -> None:
         """`state.pt` replaced atomically, then the draft exported (`run.out/draft`)."""
-        tmp = self.out / "state.pt.tmp"
-        torch.save(self.state(), tmp)
-        os.replace(tmp, self.out / "state.pt")
+        save_state(self.out, self.state())
         if self.draft is not None:
             self.draft.export(self.out / "draft", extra={"dcoco_rl": {"step": self.step}})
 
@@ -308,9 +306,7 @@ class RLRun:
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
-        if self.log_path.exists():  # drop lines logged after the checkpoint
-            rows = [l for l in self.log_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= self.step]
-            self.log_path.write_text("".join(l + "\n" for l in rows))
+        truncate_log(self.log_path, self.step)
         print(f"resumed from step {self.step}", file=sys.stderr)
 
     def export_policy(self, path: Path) -> None:

@@ -15,9 +15,7 @@ there and reaches the same weights as an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import random
 import sys
 import time
@@ -32,6 +30,7 @@ from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import RegeneratedUnion
+from .runstate import append_log, save_state, truncate_log
 
 
 def is_eval_sample(sample_id: str, permille: int = 20) -> bool:
@@ -432,8 +431,7 @@ class Trainer:
 
     # -- persistence -----------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        append_log(self.log_path, m)
 
     def state(self) -> dict:
         return {
@@ -452,9 +450,7 @@ class Trainer:
         }
 
     def save(self) -> None:
-        tmp = self.out / "state.pt.tmp"
-        torch.save(self.state(), tmp)
-        os.replace(tmp, self.out / "state.pt")
+        save_state(self.out, self.state())
         self.export(self.out / "drafter")
 
     def _resume(self) -> None:
@@ -470,9 +466,7 @@ class Trainer:
         self.gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
-        if self.log_path.exists():  # drop lines logged after the checkpoint we resume from
-            lines = [l for l in self.log_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= self.step]
-            self.log_path.write_text("".join(l + "\n" for l in lines))
+        truncate_log(self.log_path, self.step)
         print(f"resumed from step {self.step}", file=sys.stderr)
 
     def plot(self) -> Optional[Path]:
