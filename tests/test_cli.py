@@ -85,3 +85,12 @@ def test_api_typed_errors(tiny_dir):
         LLM(model="/nonexistent/dir")
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), speculative_config={"method": "ngram"})
     assert len(out[0].token_ids) == 5 and llm.last_stats.verify_passes >= 1
+
+
+@pytest.mark.parametrize("spec", ["2/2", "x", "1/0", "3"])
+def test_regenerate_bad_shard_is_one_line_error(capsys, tmp_path, spec):
+    code, out, err = run_cli(capsys, "data", "regenerate", "--out", str(tmp_path / "d"), "--num-samples", "1", "--shard", spec)
+    lines = [l for l in err.strip().splitlines() if l]
+    assert code == 2 and len(lines) == 1 and "--shard" in lines[0], err
+    assert not (tmp_path / "d").exists()
+

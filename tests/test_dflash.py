@@ -294,3 +294,49 @@ def test_finished_run_started_again_reexports(tiny_data, tmp_path):
     tr.run(progress=False)
     model, raw = load_dflash(tmp_path / "run" / "drafter")
     assert tr.step == 2 and raw["dcoco_num_speculative_tokens"] == 3
+
+
+def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_path):
+    """`data.features: online` recomputes, with one batched target forward, the features that
+    regeneration stored (float32: equal up to rounding), so it trains on token-only data
+    (`--no-features`) that stored mode refuses."""
+    target, root = tiny_data
+    stored = Trainer(_cfg(root, tmp_path / "s", **{"optim.steps": 1}), target, RegeneratedData(root))
+    online = Trainer(_cfg(root, tmp_path / "o", **{"optim.steps": 1, "data.features": "online"}), target, RegeneratedData(root))
+    samples = stored.train_samples[:5]
+    for a, b, s in zip(stored._features(samples), online._features(samples), samples):
+        n = len(s["input_ids"]) - 1  # stored: every token but the last; online: every token
+        assert a.shape == (n, b.shape[1]) and b.shape[0] == n + 1
+        assert torch.allclose(a.float(), b[:n].float(), rtol=1e-2, atol=1e-2), (a - b[:n]).abs().max()  # stored in bf16
+
+    tokens = tmp_path / "tokens"
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in RegeneratedData(root).samples()]
+    regenerate(target, prompts, tokens, num_samples=40, taps=RegeneratedData(root).manifest["taps"],
+               sampling=SamplingParams(max_tokens=24), batch_size=16, shard_size=8, progress=False, features=False)
+    data = RegeneratedData(tokens)
+    assert not data.has_features and not list(data.features_dir.glob("*.safetensors"))
+    assert {s["id"]: s["input_ids"] for s in data.samples()} == {s["id"]: s["input_ids"] for s in RegeneratedData(root).samples()}
+    with pytest.raises(ConfigError, match="data.features=online"):
+        Trainer(_cfg(tokens, tmp_path / "t"), target, data)
+    from dcoco.train.data import RegeneratedUnion  # token-only and stored directories mix online
+
+    tr = Trainer(_cfg([str(root), str(tokens)], tmp_path / "t", **{"optim.steps": 3, "data.features": "online"}),
+                 target, RegeneratedUnion([root, tokens]))
+    tr.run(progress=False)
+    assert (tmp_path / "t" / "drafter" / "model.safetensors").exists()
+
+
+def test_time_budget_sets_the_steps_and_survives_resume(tiny_data, tmp_path):
+    import json
+
+    target, root = tiny_data
+    over = {"optim.steps": 10_000, "optim.time_budget_s": 0.5, "optim.time_budget_probe": 3, "run.checkpoint_every": 2}
+    tr = Trainer(_cfg(root, tmp_path / "r", **over), target, RegeneratedData(root))
+    tr.run(progress=False)
+    rows = [json.loads(l) for l in (tmp_path / "r" / "log.jsonl").read_text().splitlines()]
+    fixed = [r["steps_from_time_budget"] for r in rows if "steps_from_time_budget" in r]
+    assert len(fixed) == 1 and rows[-1]["step"] == fixed[0] == tr.cfg.optim.steps < 10_000
+    cfg = json.loads((tmp_path / "r" / "drafter" / "config.json").read_text())["dcoco_training"]["config"]
+    assert cfg["optim"]["steps"] == fixed[0]  # the provenance says how to repeat it: optim.steps=N
+    again = Trainer(_cfg(root, tmp_path / "r", **over), target, RegeneratedData(root))
+    assert again.cfg.optim.steps == fixed[0] and again.budget_fixed

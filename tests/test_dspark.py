@@ -284,3 +284,11 @@ def test_data_without_the_last_layer_is_rejected(tmp_path):
     regenerate(target, prompts, root, num_samples=4, taps=[2, 4], sampling=SamplingParams(max_tokens=6), progress=False)
     with pytest.raises(ConfigError, match="last layer"):
         Trainer(_cfg(root, tmp_path / "run", **{"data.eval_permille": 0}), target, RegeneratedData(root))
+
+
+def test_online_features_train_like_stored(tiny_data, tmp_path):
+    """data.features=online (target forward per batch) gives the first step's loss of stored features."""
+    target, root = tiny_data
+    losses = [Trainer(_cfg(root, tmp_path / mode, **{"data.features": mode, "optim.steps": 1}), target,
+                      RegeneratedData(root)).train_step()["loss"] for mode in ("stored", "online")]
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2)

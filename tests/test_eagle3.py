@@ -295,3 +295,16 @@ def test_training_loss_falls_and_exports(tiny_data, tmp_path):
     vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
     outs, _ = SpeculativeEngine(target, drafter).generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
+
+
+def test_online_features_train_like_stored(tiny_data, tmp_path):
+    """data.features=online (target forward per batch) gives the first step's loss of stored features."""
+    target, root = tiny_data
+    losses = []
+    for mode in ("stored", "online"):
+        over = {"method": "eagle3", "data.path": str(root), "run.out": str(tmp_path / mode), "optim.steps": 1,
+                "optim.autocast_bf16": False, "drafter.draft_vocab_size": 48, "drafter.ttt_slots": 8,
+                "data.features": mode}
+        cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
+        losses.append(Trainer(cfg, target, RegeneratedData(root)).train_step()["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2)

@@ -4,6 +4,7 @@ one-line error and exit status 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--from-end", action="store_true",
                     help="take prompts from the end of the source: a second process run side by side (one per core) "
                          "into another --out gets disjoint prompts; train on both directories (data.path: [A, B])")
+    rg.add_argument("--shard", default=None, metavar="I/N",
+                    help="take every N-th prompt starting at the I-th (0-based): N processes (or GPUs) with shards "
+                         "0/N .. N-1/N into N --out directories answer disjoint prompts")
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     rg.add_argument("--temperature", type=float, default=0.0)
@@ -117,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (sample i uses seed + i)")
     rg.add_argument("--num-features", type=int, default=5, help="target layers to tap (evenly spaced, DFlash default)")
     rg.add_argument("--batch-size", type=int, default=48)
+    rg.add_argument("--no-features", action="store_true",
+                    help="keep only the tokens, not the target features (for data.features=online training)")
     _add_model_args(rg)
 
     tr = sub.add_parser("train", help="train a drafter from a YAML config (resumes from its run directory)")
@@ -271,12 +277,23 @@ def cmd_bench(args) -> int:
     return run_bench(cfg)
 
 
+def _parse_shard(spec: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise InvalidPromptError(f"--shard {spec!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+    return i, n
+
+
 def cmd_data(args) -> int:
     from .drafters.dflash import default_target_layer_ids
     from .sampling import SamplingParams
     from .target import Target
     from .train.data import jsonl_conversation_prompts, regenerate, sharegpt_train_prompts
 
+    shard = _parse_shard(args.shard) if args.shard is not None else None
     if args.source == "sharegpt":
         prompts = sharegpt_train_prompts()
     elif args.source.endswith(".jsonl") and Path(args.source).is_file():
@@ -285,6 +302,8 @@ def cmd_data(args) -> int:
         raise InvalidPromptError(f"unknown source {args.source!r}: use 'sharegpt' or an existing .jsonl file")
     if args.from_end:
         prompts = reversed(list(prompts))
+    if shard is not None:
+        prompts = itertools.islice(prompts, shard[0], None, shard[1])
     sp = SamplingParams.make(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                              seed=None if args.temperature == 0 else args.seed)
     _setup(args)
@@ -294,7 +313,7 @@ def cmd_data(args) -> int:
     taps = sorted({i + 1 for i in default_target_layer_ids(target.num_layers, args.num_features)} | {target.num_layers})
     regenerate(target, prompts, args.out, num_samples=args.num_samples, taps=taps, sampling=sp,
                batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-               source=args.source + (" (from the end)" if args.from_end else ""))
+               source=args.source + (" (from the end)" if args.from_end else ""), features=not args.no_features)
     return 0
 
 

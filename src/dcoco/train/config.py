@@ -19,6 +19,7 @@ class _Section(BaseModel):
 class TargetSection(_Section):
     model: Optional[str] = None  # HF directory; None = embedded SmolLM2-135M-Instruct
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    device: str = "cpu"  # where the target and the drafter run while training: cpu, cuda, cuda:1, ...
 
 
 class DataSection(_Section):
@@ -26,6 +27,9 @@ class DataSection(_Section):
     max_length: int = 1024  # tokens per sequence (prompt + response), longer ones are cut
     eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
     eval_samples: int = 48  # at most this many of them are evaluated
+    # stored: read the target features saved by `data regenerate`; online: recompute them with a
+    # target forward per batch (SpecForge's online mode: token-only data, cheap on a GPU, slow on a CPU)
+    features: Literal["stored", "online"] = "stored"
 
 
 class DrafterSection(_Section):
@@ -63,6 +67,10 @@ class DrafterSection(_Section):
 
 class OptimSection(_Section):
     steps: int = 4000
+    # train for about this many seconds instead: after `time_budget_probe` steps, `steps` is set from
+    # the measured pace (the schedule then anneals on time); the resulting steps are logged and kept
+    time_budget_s: Optional[float] = None
+    time_budget_probe: int = 20
     batch_size: int = 8  # sequences per step
     anchors_per_seq: int = 16  # blocks sampled per sequence
     lr: float = 6e-4

@@ -13,6 +13,10 @@ Layout of a data directory:
   samples.jsonl            one line per finished sample: id, conversations, input_ids, prompt_len, shard
   features/shard-NNNNN.safetensors   one tensor per sample id: (len(input_ids) - 1, n_taps * H) bf16
 
+With `features=False` (`data regenerate --no-features`) only the tokens are kept (manifest
+"features": false, no shards): for online training (`data.features: online`), which recomputes the
+features with the target per batch, e.g. on a GPU, where disk would be the limit rather than compute.
+
 Resumable and incremental: a shard is written atomically before its samples' lines are appended,
 a sample counts as done once its line is in samples.jsonl, and a torn last line or a shard no line
 refers to (a crash between the two writes) is discarded on restart.
@@ -95,17 +99,23 @@ class RegeneratedData:
     def manifest(self) -> dict:
         if not self.manifest_path.exists():
             raise ConfigError(f"not a regenerated-data directory (no manifest.json): {self.root}")
-        return json.loads(self.manifest_path.read_text())
+        return {"features": True, **json.loads(self.manifest_path.read_text())}  # older manifests: features stored
+
+    @property
+    def has_features(self) -> bool:
+        return bool(self.manifest["features"])
 
     def samples(self) -> list[dict]:
         return _read_lines(self.samples_path)
 
     def features(self, sample: dict) -> torch.Tensor:
+        if sample.get("shard") is None:
+            raise ConfigError(f"{self.root} stores no target features (regenerated with --no-features)")
         with safe_open(str(self.features_dir / f"shard-{sample['shard']:05d}.safetensors"), "pt") as f:
             return f.get_tensor(sample["id"])
 
     def clean_orphans(self, samples: list[dict]) -> None:
-        used = {s["shard"] for s in samples}
+        used = {s["shard"] for s in samples if s.get("shard") is not None}
         for p in self.features_dir.glob("shard-*.safetensors"):
             if int(p.stem.split("-")[1]) not in used:
                 p.unlink()
@@ -116,7 +126,8 @@ class RegeneratedData:
 class RegeneratedUnion:
     """Several regenerated-data directories read as one training set: e.g. two regeneration
     processes run side by side on disjoint prompt lists (one per CPU core). They must come from the
-    same target, taps and sampling settings; a sample id present twice is read once."""
+    same target, taps and sampling settings (with or without stored features); a sample id present
+    twice is read once."""
 
     def __init__(self, roots: str | Path | Sequence[str | Path]):
         roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
@@ -130,10 +141,14 @@ class RegeneratedUnion:
         first = self.parts[0].manifest
         for part in self.parts[1:]:
             other = part.manifest
-            diff = sorted(k for k in set(first) | set(other) if k != "source" and first.get(k) != other.get(k))
+            diff = sorted(k for k in set(first) | set(other) if k not in ("source", "features") and first.get(k) != other.get(k))
             if diff:
                 raise ConfigError(f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together")
         return first
+
+    @property
+    def has_features(self) -> bool:
+        return all(part.has_features for part in self.parts)
 
     def samples(self) -> list[dict]:
         seen, out = set(), []
@@ -160,8 +175,10 @@ def regenerate(
     max_prompt_tokens: int = 512,
     source: str = "",
     progress: bool = True,
+    features: bool = True,
 ) -> RegeneratedData:
-    """Answer up to `num_samples` prompts with the target, resuming what a previous run finished."""
+    """Answer up to `num_samples` prompts with the target, resuming what a previous run finished;
+    with `features=False` keep only the tokens (for online training)."""
     data = RegeneratedData(out)
     data.features_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
@@ -176,6 +193,7 @@ def regenerate(
         "max_prompt_tokens": max_prompt_tokens,
         "dtype": str(target.dtype).replace("torch.", ""),
         "source": source,
+        "features": features,
     }
     if data.manifest_path.exists():
         old = data.manifest
@@ -195,7 +213,7 @@ def regenerate(
     if todo <= 0:
         return data
 
-    recorder = FeatureRecorder(taps)
+    recorder = FeatureRecorder(taps if features else ())
     engine = SpeculativeEngine(target, recorder, 1, max_batch_size=batch_size)
     bar = None
     if progress:
@@ -213,13 +231,14 @@ def regenerate(
         nonlocal next_shard, pending, tensors
         if not pending:
             return
-        path = data.features_dir / f"shard-{next_shard:05d}.safetensors"
-        tmp = data.features_dir / f".tmp-{next_shard:05d}.safetensors"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        if features:
+            path = data.features_dir / f"shard-{next_shard:05d}.safetensors"
+            tmp = data.features_dir / f".tmp-{next_shard:05d}.safetensors"
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
         with open(data.samples_path, "a", encoding="utf-8") as f:
             for s in pending:
-                s["shard"] = next_shard
+                s["shard"] = next_shard if features else None
                 f.write(json.dumps(s) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -242,9 +261,9 @@ def regenerate(
                 break
             for req in engine.step():
                 prompt, ids = meta.pop(req.request_id)
-                feats = recorder.collect(req)
-                n = len(ids) + len(req.output_ids) - 1
-                tensors[prompt.id] = feats[:n].contiguous()
+                if features:
+                    n = len(ids) + len(req.output_ids) - 1
+                    tensors[prompt.id] = recorder.collect(req)[:n].contiguous()
                 chat = all(isinstance(m, dict) for m in prompt.messages)
                 pending.append({
                     "id": prompt.id,

@@ -50,13 +50,13 @@ class TargetHead:
 def attach_target_head(trainer) -> int:
     """Select the last layer's feature columns after the drafter's taps; returns the number of
     drafter feature columns (the split point)."""
-    man, L, H = trainer.data.manifest, trainer.target.num_layers, trainer.target.hidden_size
-    if L not in man["taps"]:
+    taps, L, H = trainer.data_taps, trainer.target.num_layers, trainer.target.hidden_size
+    if L not in taps:
         raise ConfigError(
             f"method {trainer.cfg.method} recomputes the target distribution from the last layer (tap {L}), but "
-            f"{trainer.data.root} has taps {man['taps']}: regenerate the data with `dcoco data regenerate`")
+            f"{trainer.data.root} has taps {taps}: regenerate the data with `dcoco data regenerate`")
     split = len(trainer.tap_index) * H
-    trainer.tap_index = list(trainer.tap_index) + [man["taps"].index(L) * H]
+    trainer.tap_index = list(trainer.tap_index) + [taps.index(L) * H]
     return split
 
 

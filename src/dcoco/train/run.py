@@ -16,7 +16,7 @@ def train(cfg: TrainConfig) -> Trainer:
     transformers.utils.logging.set_verbosity_error()
     if cfg.optim.threads:
         torch.set_num_threads(cfg.optim.threads)
-    target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype)
+    target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype, device=cfg.target.device)
     trainer = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
     trainer.run()
     return trainer

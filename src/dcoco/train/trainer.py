@@ -61,7 +61,7 @@ def sample_anchors(prompt_len: int, length: int, n: int, gen: torch.Generator) -
     count = hi - lo + 1
     if count <= n:
         return list(range(lo, hi + 1))
-    return sorted((torch.randperm(count, generator=gen)[:n] + lo).tolist())
+    return sorted((torch.randperm(count, generator=gen, device=gen.device)[:n] + lo).tolist())
 
 
 def make_batch(samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]], block_size: int) -> Batch:
@@ -190,6 +190,13 @@ def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tup
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
 
 
+def device_name(device: torch.device) -> str:
+    """`cpu` or e.g. `cuda:0 (NVIDIA H200)`: where a drafter was trained, for its provenance."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
 def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator):
     """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
     features: the loss's own layout when it has a `make_batch` hook (DSpark, EAGLE-3), else DFlash
@@ -254,11 +261,20 @@ class Trainer:
         man = data.manifest
         if man["target_vocab_size"] != target.vocab_size or man["target_hidden_size"] != target.hidden_size:
             raise ConfigError(f"{data.root} was regenerated with another target")
-        self.model = self.build_model()
+        self.online = cfg.data.features == "online"
+        if not self.online and not data.has_features:
+            raise ConfigError(f"{data.root}: no stored target features (regenerated with --no-features); "
+                              "train with data.features=online")
+        self.device = target.device
+        self.data_taps = list(man["taps"])
+        with torch.device(self.device):  # the drafter, its heads and the loss buffers live by the target
+            self.model = self.build_model().to(self.device)
         taps = list(self.model.cfg.taps)
-        if not set(taps) <= set(man["taps"]):
+        if self.online:  # any layer can be recomputed: the data's taps, the drafter's and the last layer
+            self.data_taps = sorted(set(self.data_taps) | set(taps) | {target.num_layers})
+        elif not set(taps) <= set(man["taps"]):
             raise ConfigError(f"drafter needs target taps {taps}, data has {man['taps']}")
-        self.tap_index = [man["taps"].index(t) * target.hidden_size for t in taps]
+        self.tap_index = [self.data_taps.index(t) * target.hidden_size for t in taps]
         samples = [s for s in data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
         held = [is_eval_sample(s["id"], cfg.data.eval_permille) for s in samples]
         self.eval_samples = [s for s, h in zip(samples, held) if h][: cfg.data.eval_samples]
@@ -269,7 +285,8 @@ class Trainer:
         self.lm_head = target.model.get_output_embeddings()
         for p in target.model.parameters():
             p.requires_grad_(False)
-        self.loss = self.build_loss()
+        with torch.device(self.device):
+            self.loss = self.build_loss()
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -282,6 +299,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(o.seed)
         self.epoch, self.order, self.cursor = 0, None, 0
         self.train_seconds = 0.0  # wall time of the training steps so far (kept across resumes)
+        self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
         self._resume()
 
@@ -317,6 +335,7 @@ class Trainer:
     def provenance(self) -> dict:
         return {"dcoco_training": {"step": self.step, "train_samples": len(self.train_samples),
                                    "train_seconds": round(self.train_seconds), "threads": torch.get_num_threads(),
+                                   "device": device_name(self.device),
                                    "data": str(self.cfg.data.path), "config": self.cfg.model_dump()}}
 
     # -- schedule and data -------------------------------------------------------------------
@@ -327,10 +346,20 @@ class Trainer:
         t = (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps)
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
-    def _features(self, s: dict) -> torch.Tensor:
-        f = self.data.features(s)
-        cols = torch.cat([torch.arange(i, i + self.target.hidden_size) for i in self.tap_index])
+    def _columns(self, f: torch.Tensor) -> torch.Tensor:
+        """The drafter's taps out of the data's (n, n_data_taps * H) features."""
+        cols = torch.cat([torch.arange(i, i + self.target.hidden_size, device=f.device) for i in self.tap_index])
         return f[:, cols] if f.shape[1] != len(cols) else f
+
+    def _features(self, samples: list[dict]) -> list[torch.Tensor]:
+        """Per sample, the target features of its tokens: stored, or recomputed by one batched target
+        forward over the (truncated) sequences at the data's taps (`data.features: online`)."""
+        if not self.online:
+            return [self._columns(self.data.features(s))[: len(s["input_ids"])] for s in samples]
+        with self.target.tapping(self.data_taps):
+            _, out = self.target.prefill([s["input_ids"] for s in samples])
+        feats = out.features.clone()  # out of inference mode: the drafter's inputs need autograd-able tensors
+        return [self._columns(f[: len(s["input_ids"])]) for f, s in zip(feats, samples)]
 
     def _truncate(self, s: dict) -> dict:
         L = self.cfg.data.max_length
@@ -343,7 +372,7 @@ class Trainer:
         chosen = []
         while len(chosen) < o.batch_size:
             if self.order is None or self.cursor >= len(self.order):
-                self.order = torch.randperm(len(self.train_samples), generator=self.gen).tolist()
+                self.order = torch.randperm(len(self.train_samples), generator=self.gen, device="cpu").tolist()
                 self.cursor = 0
                 if chosen or self.step:
                     self.epoch += 1
@@ -352,14 +381,17 @@ class Trainer:
         return self._batch([self._truncate(s) for s in chosen], o.anchors_per_seq, self.gen)
 
     def _batch(self, samples: list[dict], n_anchors: int, gen: torch.Generator) -> Batch:
-        feats = [self._features(s)[: len(s["input_ids"])] for s in samples]
-        return loss_batch(self.loss, samples, feats, n_anchors, gen)
+        return loss_batch(self.loss, samples, self._features(samples), n_anchors, gen)
 
     # -- loop --------------------------------------------------------------------------------
     def autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.optim.autocast_bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.optim.autocast_bf16)
 
     def train_step(self) -> dict:
+        with torch.device(self.device):  # tensors the batch and the loss create go where the model is
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         self.model.train()
         batch = self.next_batch()
         with self.autocast():
@@ -378,6 +410,10 @@ class Trainer:
     def evaluate(self) -> dict:
         """Teacher-forced simulated acceptance on held-out samples: every response position is an
         anchor (strided to bound the cost), greedy predictions against the target's own tokens."""
+        with torch.device(self.device):
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         self.model.eval()
         gen = torch.Generator().manual_seed(1234)
         rows = []
@@ -406,12 +442,17 @@ class Trainer:
                    file=sys.stderr, disable=not progress)
         last_eval = None
         finished_on_start = self.step >= o.steps
+        budget_from = (self.step, time.time()) if o.time_budget_s and not self.budget_fixed and not finished_on_start else None
         try:
             while self.step < o.steps:
                 t0 = time.time()
                 m = self.train_step()
                 self.train_seconds += time.time() - t0
                 m.update(step=self.step, epoch=self.epoch, step_s=round(time.time() - t0, 3))
+                if budget_from is not None and self.step - budget_from[0] >= o.time_budget_probe:
+                    self._fit_time_budget(budget_from)
+                    m["steps_from_time_budget"] = o.steps
+                    bar.total, budget_from = o.steps, None
                 if self.eval_samples and (self.step % r.eval_every == 0 or self.step == o.steps):
                     last_eval = self.evaluate()
                     m.update(last_eval)
@@ -429,6 +470,16 @@ class Trainer:
             self.export(self.out / "drafter")
         self.plot()
 
+    def _fit_time_budget(self, since: tuple[int, float]) -> None:
+        """Set `optim.steps` so that training ends about `time_budget_s` after it started (evaluation
+        and checkpoints included), from the pace of the steps since `since` (step, wall time)."""
+        o = self.cfg.optim
+        elapsed = time.time() - since[1]
+        pace = elapsed / (self.step - since[0])
+        o.steps = max(self.step + 1, self.step + int((o.time_budget_s - elapsed) / pace))
+        self.budget_fixed = True
+        print(f"time budget {o.time_budget_s:.0f}s at {pace:.3f}s/step: training for {o.steps} steps", file=sys.stderr)
+
     # -- persistence -----------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
         append_log(self.log_path, m)
@@ -443,6 +494,7 @@ class Trainer:
             "order": self.order,
             "cursor": self.cursor,
             "train_seconds": self.train_seconds,
+            "budget_steps": self.cfg.optim.steps if self.budget_fixed else None,
             "gen": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "py_rng": random.getstate(),
@@ -457,12 +509,14 @@ class Trainer:
         path = self.out / "state.pt"
         if not path.exists():
             return
-        st = torch.load(path, weights_only=False)
+        st = torch.load(path, weights_only=False, map_location="cpu")
         self.model.load_state_dict(st["model"])
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
         self.train_seconds = st.get("train_seconds", 0.0)
+        if self.cfg.optim.time_budget_s and st.get("budget_steps"):  # the steps fixed before the stop
+            self.cfg.optim.steps, self.budget_fixed = st["budget_steps"], True
         self.gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
