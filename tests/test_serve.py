@@ -453,3 +453,13 @@ def test_loadgen_smoke(server, tiny_dir, tmp_path):
     assert all(r["errors"] == 0 and r["output_tokens"] > 0 for r in res["rows"])
     assert (out / "loadgen.png").stat().st_size > 1000
     assert "| server | 2 |" in (out / "loadgen.md").read_text()
+    # a second (offline vanilla) run, then both combined into one sweep table and plot
+    van = tmp_path / "van"
+    assert loadgen.main(["--concurrency", "1,2", "--num-requests", "3", "--max-tokens", "6", "--out", str(van), "--offline",
+                         "--model", tiny_dir, "--dtype", "float32", "--offline-variants", "vanilla"]) == 0
+    assert loadgen.main(["--compare", f"{out},{van}", "--out", str(tmp_path / "cmp")]) == 0
+    md = (tmp_path / "cmp" / "sweep.md").read_text()
+    assert "| test (HTTP) |" in md and "| test (offline-load-aware) |" in md and "| vanilla (offline engine) |" in md
+    row = next(l for l in md.splitlines() if l.startswith("| test (HTTP) |"))
+    assert row.count("x") == 2  # a ratio to offline vanilla at C=1 and C=2
+    assert (tmp_path / "cmp" / "sweep.png").stat().st_size > 1000

@@ -329,31 +329,83 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    s = result["settings"]
+    modes = sorted({r["mode"] for r in result["rows"]}, key=lambda m: (m != "server", m))
+    series = {m: {r["concurrency"]: r["output_tokens_per_s"] for r in result["rows"] if r["mode"] == m} for m in modes}
+    plot_series(series, f"dcoco serving: {s['num_requests']} requests x {s['max_tokens']} tokens"
+                + (f" ({s['label']})" if s.get("label") else ""), path)
+
+
+def plot_series(series: dict[str, dict[int, float]], title: str, path: Path) -> None:
+    """Output tokens/s against concurrency, one line per series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    modes = sorted({r["mode"] for r in result["rows"]}, key=lambda m: (m != "server", m))
-    for mode in modes:
-        rs = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["concurrency"])
-        ax.plot([r["concurrency"] for r in rs], [r["output_tokens_per_s"] for r in rs], marker="o", label=mode)
-    concs = sorted({r["concurrency"] for r in result["rows"]})
+    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    for name, pts in series.items():
+        cs = sorted(pts)
+        ax.plot(cs, [pts[c] for c in cs], marker="o", label=name, linestyle="--" if "offline" in name else "-")
+    concs = sorted({c for pts in series.values() for c in pts})
     if concs and max(concs) > 1:
         ax.set_xscale("log", base=2)
     ax.set_xticks(concs)
     ax.set_xticklabels([str(c) for c in concs])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens/s")
-    s = result["settings"]
-    ax.set_title(f"dcoco serving: {s['num_requests']} requests x {s['max_tokens']} tokens"
-                 + (f" ({s['label']})" if s.get("label") else ""), fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def compare(dirs: Sequence[str], out: Path) -> Path:
+    """One table and one plot from several loadgen runs (each named by its --label): output tokens/s
+    per concurrency for every server and offline series, and its ratio to offline vanilla."""
+    series: dict[str, dict[int, float]] = {}
+    accept: dict[str, dict[int, Optional[float]]] = {}
+    settings = None
+    for d in dirs:
+        path = Path(d) / "loadgen.json"
+        if not path.is_file():
+            raise SystemExit(f"loadgen: no loadgen.json in {d}")
+        res = json.loads(path.read_text())
+        settings = settings or res["settings"]
+        label = res["settings"].get("label") or Path(d).name
+        for r in res["rows"]:
+            name = "vanilla (offline engine)" if r["mode"] == "offline-vanilla" else (
+                f"{label} (HTTP)" if r["mode"] == "server" else f"{label} ({r['mode']})")
+            series.setdefault(name, {})[r["concurrency"]] = r["output_tokens_per_s"]
+            accept.setdefault(name, {})[r["concurrency"]] = r.get("mean_acceptance_length")
+    concs = sorted({c for pts in series.values() for c in pts})
+    van = series.get("vanilla (offline engine)", {})
+    lines = ["# dcoco serving sweep", "",
+             f"- {settings['num_requests']} requests per level, max_tokens {settings['max_tokens']}, temperature "
+             f"{settings['temperature']}, prompts `{settings['dataset']}`; runs: " + ", ".join(f"`{Path(d).name}`" for d in dirs), "",
+             "Output tokens/s (ratio to the offline vanilla engine at the same concurrency; acceptance length):", "",
+             "| series | " + " | ".join(f"C={c}" for c in concs) + " |", "|---|" + "---:|" * len(concs)]
+    for name, pts in series.items():
+        cells = []
+        for c in concs:
+            if c not in pts:
+                cells.append("-")
+                continue
+            cell = f"{pts[c]:.1f}"
+            if van.get(c) and name != "vanilla (offline engine)":
+                cell += f" ({pts[c] / van[c]:.2f}x"
+                a = accept[name].get(c)
+                cell += f"; τ {a:.2f})" if a else ")"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "sweep.md"
+    md.write_text("\n".join(lines) + "\n")
+    plot_series(series, f"dcoco serving sweep: {settings['num_requests']} requests x {settings['max_tokens']} tokens",
+                out / "sweep.png")
+    return md
 
 
 # -- main --------------------------------------------------------------------------------------------
@@ -380,7 +432,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--draft-token-budget", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compare", default=None, metavar="DIR,DIR,...",
+                   help="only combine earlier runs' loadgen.json into --out/sweep.md and sweep.png")
     args = p.parse_args(argv)
+    if args.compare:
+        return args
     if not args.url and not args.offline:
         p.error("give --url, --offline or both")
     try:
@@ -397,6 +453,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    if args.compare:
+        md = compare([d for d in args.compare.split(",") if d], out)
+        print(md.read_text(), end="")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.dataset, None if args.dataset == "builtin" else args.num_requests)
     concs = args.concurrency_levels
