@@ -236,6 +236,10 @@ def test_checkpoint_round_trip(tmp_path):
     assert model.state_dict()["markov_head.w1.weight"].shape == (target.vocab_size, 8)
     drafter = load_drafter(SpeculativeConfig(method="dspark", model=str(tmp_path / "ck")), target)
     assert isinstance(drafter, DSparkDrafter) and drafter.confidence_threshold == 0.25
+    assert drafter.default_num_tokens == model.max_draft  # no stored default: every slot
+    model.cfg.num_speculative_tokens = 2  # the stored default draft length is the drafter's
+    save_dspark(tmp_path / "ck2", model)
+    assert load_drafter(SpeculativeConfig(method="dspark", model=str(tmp_path / "ck2")), target).default_num_tokens == 2
 
 
 @pytest.fixture(scope="module")
