@@ -31,7 +31,7 @@ def test_ngram_greedy_equals_vanilla_and_hf(smollm):
     assert llm.last_stats.acceptance_length > 1.0
 
 
-@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+@pytest.mark.parametrize("method", ["dflash", "dcoco", "dspark", "eagle3"])
 def test_shipped_drafters_are_lossless(smollm, method):
     """The checkpoints shipped for SmolLM2 load with no path and reproduce vanilla greedy decoding
     token for token (float32), while actually accepting drafts."""
