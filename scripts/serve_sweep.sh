@@ -19,7 +19,7 @@ CONC=${CONC:-1,4,8,16,32}
 THREADS=${THREADS:-1}
 PORT=${PORT:-8123}
 DATASET=${DATASET:-mtbench}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 mkdir -p "$OUT"
 load=(--concurrency "$CONC" --num-requests "$N" --max-tokens "$TOKENS" --dataset "$DATASET")
 

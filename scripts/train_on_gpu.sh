@@ -27,7 +27,7 @@ DCOCO_S=${DCOCO_S:-50}
 BATCH=${BATCH:-32}
 DATA=${DATA:-data/gpu}
 OUT=${OUT:-runs/gpu}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 DCOCO=${DCOCO:-$PYTHON -m dcoco.cli}
 LOGS=$OUT/logs
 mkdir -p "$DATA" "$LOGS"

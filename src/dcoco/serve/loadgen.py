@@ -344,9 +344,12 @@ def plot_series(series: dict[str, dict[int, float]], title: str, path: Path) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    families = list(dict.fromkeys(n.split(" ")[0].split("-")[0] for n in series))  # one colour per method
+    colours = {f: f"C{i % 10}" for i, f in enumerate(families)}
     for name, pts in series.items():
         cs = sorted(pts)
-        ax.plot(cs, [pts[c] for c in cs], marker="o", label=name, linestyle="--" if "offline" in name else "-")
+        ax.plot(cs, [pts[c] for c in cs], label=name, color=colours[name.split(" ")[0].split("-")[0]],
+                linestyle="--" if "offline" in name else "-", marker="^" if "load-aware" in name else "o")
     concs = sorted({c for pts in series.values() for c in pts})
     if concs and max(concs) > 1:
         ax.set_xscale("log", base=2)
@@ -380,6 +383,7 @@ def compare(dirs: Sequence[str], out: Path) -> Path:
                 f"{label} (HTTP)" if r["mode"] == "server" else f"{label} ({r['mode']})")
             series.setdefault(name, {})[r["concurrency"]] = r["output_tokens_per_s"]
             accept.setdefault(name, {})[r["concurrency"]] = r.get("mean_acceptance_length")
+    series = dict(sorted(series.items(), key=lambda kv: not kv[0].startswith("vanilla")))  # baselines first
     concs = sorted({c for pts in series.values() for c in pts})
     van = series.get("vanilla (offline engine)", {})
     lines = ["# dcoco serving sweep", "",
