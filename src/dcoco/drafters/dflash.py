@@ -185,6 +185,11 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.apply(self._init)
 
+    @property
+    def max_draft(self) -> int:
+        """Draft tokens one block pass can propose (slot 0 holds the anchor)."""
+        return self.cfg.block_size - 1
+
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
@@ -260,7 +265,8 @@ class BlockDrafter(Drafter):
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         self.tap_layers = self.cfg.taps
-        self.default_num_tokens = self.cfg.num_speculative_tokens or self.cfg.block_size - 1
+        # the checkpoint's default draft length (dcoco_num_speculative_tokens), else every slot
+        self.default_num_tokens = min(self.cfg.num_speculative_tokens or model.max_draft, model.max_draft)
         self.dtype = next(model.parameters()).dtype
         self.ctx: dict[int, list[list[torch.Tensor]]] = {}  # request -> per layer [k, v] (1, h, T, d)
         self.ctx_len: dict[int, int] = {}

@@ -126,8 +126,6 @@ class DSparkDrafter(BlockDrafter):
 
     def __init__(self, model: DSparkModel, target, confidence_threshold: Optional[float] = None):
         super().__init__(model, target)
-        # the checkpoint's default draft length (dcoco_num_speculative_tokens), else every slot
-        self.default_num_tokens = min(model.cfg.num_speculative_tokens or model.max_draft, model.max_draft)
         thr = model.scfg.confidence_threshold if confidence_threshold is None else confidence_threshold
         if thr is not None and not 0.0 <= thr <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {thr}")

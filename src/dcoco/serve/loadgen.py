@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -280,20 +279,10 @@ def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict]
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.lower().startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        root = Path(__file__).resolve().parents[3]
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "git_commit": commit}
+    from ..bench.system import cpu_model, git_commit
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "git_commit": git_commit()}
 
 
 def _f(x, nd=2) -> str:
@@ -344,11 +333,11 @@ def plot_series(series: dict[str, dict[int, float]], title: str, path: Path) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.2, 4.6))
-    families = list(dict.fromkeys(n.split(" ")[0].split("-")[0] for n in series))  # one colour per method
-    colours = {f: f"C{i % 10}" for i, f in enumerate(families)}
+    family = {n: n.split(" ")[0].split("-")[0] for n in series}  # "dcoco-load-aware (HTTP)" -> "dcoco"
+    colours = {f: f"C{i % 10}" for i, f in enumerate(dict.fromkeys(family.values()))}  # one colour per method
     for name, pts in series.items():
         cs = sorted(pts)
-        ax.plot(cs, [pts[c] for c in cs], label=name, color=colours[name.split(" ")[0].split("-")[0]],
+        ax.plot(cs, [pts[c] for c in cs], label=name, color=colours[family[name]],
                 linestyle="--" if "offline" in name else "-", marker="^" if "load-aware" in name else "o")
     concs = sorted({c for pts in series.values() for c in pts})
     if concs and max(concs) > 1:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..bench.system import device_label
 from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, training_mask
 from ..errors import ConfigError
 from .config import TrainConfig
@@ -190,13 +191,6 @@ def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tup
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
 
 
-def device_name(device: torch.device) -> str:
-    """`cpu` or e.g. `cuda:0 (NVIDIA H200)`: where a drafter was trained, for its provenance."""
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return str(device)
-
-
 def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator):
     """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
     features: the loss's own layout when it has a `make_batch` hook (DSpark, EAGLE-3), else DFlash
@@ -286,7 +280,9 @@ class Trainer:
         for p in target.model.parameters():
             p.requires_grad_(False)
         with torch.device(self.device):
-            self.loss = self.build_loss()
+            self.loss = self.build_loss()  # DSpark / EAGLE-3 append the last layer's tap here
+        # the drafter's feature columns within the data's (n, n_data_taps * H) features
+        self.feature_cols = torch.cat([torch.arange(i, i + target.hidden_size) for i in self.tap_index])
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
@@ -335,7 +331,7 @@ class Trainer:
     def provenance(self) -> dict:
         return {"dcoco_training": {"step": self.step, "train_samples": len(self.train_samples),
                                    "train_seconds": round(self.train_seconds), "threads": torch.get_num_threads(),
-                                   "device": device_name(self.device),
+                                   "device": device_label(str(self.device)),
                                    "data": str(self.cfg.data.path), "config": self.cfg.model_dump()}}
 
     # -- schedule and data -------------------------------------------------------------------
@@ -348,8 +344,8 @@ class Trainer:
 
     def _columns(self, f: torch.Tensor) -> torch.Tensor:
         """The drafter's taps out of the data's (n, n_data_taps * H) features."""
-        cols = torch.cat([torch.arange(i, i + self.target.hidden_size, device=f.device) for i in self.tap_index])
-        return f[:, cols] if f.shape[1] != len(cols) else f
+        cols = self.feature_cols
+        return f[:, cols.to(f.device)] if f.shape[1] != len(cols) else f
 
     def _features(self, samples: list[dict]) -> list[torch.Tensor]:
         """Per sample, the target features of its tokens: stored, or recomputed by one batched target
