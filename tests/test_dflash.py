@@ -135,6 +135,37 @@ def test_greedy_equality_and_batch_consistency():
         assert torch.equal(batch[i], solo[0])
 
 
+def test_draft_vocabulary_limits_proposals_and_stays_lossless(tmp_path):
+    """With a draft vocabulary only its rows of the LM head are scored: drafts (greedy and sampled)
+    come from it, q is zero elsewhere, greedy output still equals the target's, and the vocabulary
+    survives a checkpoint round trip."""
+    from dcoco.drafters.base import DraftInput
+
+    target = tiny()
+    model = tiny_dflash(target, seed=5)
+    with pytest.raises(ValueError, match="distinct"):
+        model.set_draft_vocab(torch.tensor([3, 3, 4]))
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
+    model.set_draft_vocab(ids)
+    save_dflash(tmp_path / "ck", model, dtype=torch.float32)
+    loaded, raw = load_dflash(tmp_path / "ck")
+    assert raw["dcoco_draft_vocab_size"] == 40 and torch.equal(loaded.draft_ids, ids.sort().values)
+    d = BlockDrafter(loaded, target)
+    feats = [torch.randn(n, 2 * target.hidden_size) for n in (3, 9)]
+    seqs = [list(range(1, n + 2)) for n in (3, 9)]
+    sps = [SamplingParams(), SamplingParams(temperature=1.0)]
+    out = d.propose(DraftInput([0, 1], seqs, feats, 5, sps, [torch.Generator().manual_seed(i) for i in range(2)]))
+    allowed = torch.zeros(target.vocab_size, dtype=torch.bool)
+    allowed[ids] = True
+    assert allowed[out.tokens].all() and out.probs[:, :, ~allowed].sum() == 0
+    assert torch.allclose(out.probs[1].sum(-1), torch.ones(5))
+    prompts = random_prompts(3, target.vocab_size, seed=4)
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    outs, stats = SpeculativeEngine(target, BlockDrafter(loaded, target), 5).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and stats.drafted > 0
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     target = tiny()
@@ -294,6 +325,16 @@ def test_finished_run_started_again_reexports(tiny_data, tmp_path):
     tr.run(progress=False)
     model, raw = load_dflash(tmp_path / "run" / "drafter")
     assert tr.step == 2 and raw["dcoco_num_speculative_tokens"] == 3
+    assert "dcoco_draft_vocab_size" not in raw and model.draft_ids is None  # vocabulary (96) <= 8192: none
+    # a run saved without a draft vocabulary gets one on re-export: the most frequent response tokens
+    tr = Trainer(_cfg(root, tmp_path / "run", **over, **{"drafter.draft_vocab_size": 20}), target, RegeneratedData(root))
+    tr.run(progress=False)
+    model, raw = load_dflash(tmp_path / "run" / "drafter")
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for s in tr.train_samples:
+        counts += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"]:]), minlength=target.vocab_size)
+    assert raw["dcoco_draft_vocab_size"] == 20 and model.draft_ids.numel() == 20
+    assert counts[model.draft_ids].min() >= counts.sort(descending=True).values[19]
 
 
 def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_path):

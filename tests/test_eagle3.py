@@ -26,7 +26,8 @@ from dcoco.engine import SpeculativeEngine
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
 from dcoco.train.dspark import TargetHead
-from dcoco.train.eagle3 import Eagle3Loss, make_eagle3_batch, top_tokens, ttt_weights
+from dcoco.train.eagle3 import Eagle3Loss, make_eagle3_batch, ttt_weights
+from dcoco.train.trainer import top_tokens
 from dcoco.train.trainer import Trainer
 
 LAYERS = 6

@@ -62,6 +62,9 @@ class DFlashConfig(BaseModel):
     # default draft tokens per pass at inference (None: block_size - 1); a shipped checkpoint sets it
     # where its held-out per-position acceptance says later slots no longer pay for their verification
     num_speculative_tokens: Optional[int] = None
+    # draft vocabulary: at inference the LM head scores only these most frequent response tokens of
+    # the training data (buffer `draft_ids`), a sixth of the drafter's work on SmolLM2; None: all
+    draft_vocab_size: Optional[int] = None
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -125,6 +128,8 @@ class DFlashConfig(BaseModel):
         }
         if self.num_speculative_tokens is not None:
             d["dcoco_num_speculative_tokens"] = self.num_speculative_tokens
+        if self.draft_vocab_size is not None:
+            d["dcoco_draft_vocab_size"] = self.draft_vocab_size
         d.update(extra or {})
         return d
 
@@ -149,6 +154,7 @@ class DFlashConfig(BaseModel):
                 mask_token_id=dc["mask_token_id"],
                 qk_norm=d.get("dcoco_qk_norm", True),
                 num_speculative_tokens=d.get("dcoco_num_speculative_tokens"),
+                draft_vocab_size=d.get("dcoco_draft_vocab_size"),
             )
         except KeyError as e:
             raise ModelNotFoundError(f"drafter config.json lacks field {e.args[0]!r}") from None
@@ -183,7 +189,18 @@ class DFlashModel(nn.Module):
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        n = cfg.draft_vocab_size
+        self.register_buffer("draft_ids", torch.arange(n) if n else None)
         self.apply(self._init)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Draft only among the target tokens `ids` (distinct; kept sorted). Lossless: verification
+        accepts by the target alone, so the vocabulary only decides what can be proposed."""
+        ids = ids.long().flatten().sort().values
+        if ids.numel() == 0 or ids.unique().numel() != ids.numel() or ids[0] < 0 or ids[-1] >= self.cfg.vocab_size:
+            raise ValueError(f"draft vocabulary needs distinct token ids in [0, {self.cfg.vocab_size})")
+        self.cfg.draft_vocab_size = ids.numel()
+        self.register_buffer("draft_ids", ids.to(self.fc.weight.device))
 
     @property
     def max_draft(self) -> int:
@@ -264,6 +281,9 @@ class BlockDrafter(Drafter):
         self.cfg = model.cfg
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
+        # the LM head rows of the draft vocabulary, sliced once (None: the full head)
+        ids = model.draft_ids
+        self.head_rows = None if ids is None else self.lm_head.weight[ids].detach().contiguous()
         self.tap_layers = self.cfg.taps
         # the checkpoint's default draft length (dcoco_num_speculative_tokens), else every slot
         self.default_num_tokens = min(self.cfg.num_speculative_tokens or model.max_draft, model.max_draft)
@@ -338,8 +358,18 @@ class BlockDrafter(Drafter):
         # contiguous: a bf16 Linear whose weight does not require grad is ~100x slower on CPU for a
         # strided input (torch 2.13), e.g. a frozen target's LM head
         hidden = hidden[:, 1 : k + 1].contiguous()
-        logits = self.lm_head(hidden).float()  # (N, k, V)
-        return self.select(hidden, logits, inp)
+        return self.select(hidden, self.draft_logits(hidden), inp)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits (..., V) of the target's LM head; with a draft vocabulary only its rows are
+        computed and every other token gets -inf (never drafted, probability 0 in q)."""
+        if self.head_rows is None:
+            return self.lm_head(hidden).float()
+        sub = torch.nn.functional.linear(hidden, self.head_rows).float()
+        if getattr(self.lm_head, "bias", None) is not None:
+            sub = sub + self.lm_head.bias[self.model.draft_ids].float()
+        out = sub.new_full((*sub.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.model.draft_ids, sub)
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
         """DFlash picks each slot independently: argmax at T=0; at T>0 a sample from the request's

@@ -149,8 +149,7 @@ class DSparkDrafter(BlockDrafter):
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
         hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
         hidden = hidden[:, off : off + k].contiguous()  # contiguous: see BlockDrafter.propose
-        logits = self.lm_head(hidden).float()  # (N, k, V) base logits U
-        return self.select(hidden, logits, inp)
+        return self.select(hidden, self.draft_logits(hidden), inp)  # (N, k, V) base logits U
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
         N, k, V = logits.shape

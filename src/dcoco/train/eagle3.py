@@ -44,7 +44,7 @@ import torch
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, default_eagle_layer_ids, load_eagle3, save_eagle3
 from ..errors import ConfigError
 from .dspark import TargetHead, attach_target_head
-from .trainer import is_eval_sample, sample_anchors
+from .trainer import is_eval_sample, response_token_counts, sample_anchors, top_tokens
 
 
 @dataclass
@@ -148,25 +148,6 @@ class Eagle3Loss:
 
 
 # -- trainer hooks ---------------------------------------------------------------------------------
-def response_token_counts(trainer) -> torch.Tensor:
-    """Counts (V,) of response tokens over the training samples (held-out samples excluded)."""
-    cfg = trainer.cfg
-    counts = torch.zeros(trainer.target.vocab_size, dtype=torch.long)
-    for s in trainer.data.samples():
-        if is_eval_sample(s["id"], cfg.data.eval_permille):
-            continue
-        ids = s["input_ids"][s["prompt_len"] : cfg.data.max_length]
-        if ids:
-            counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())
-    return counts
-
-
-def top_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
-    """The n most frequent token ids (ties by lower id), sorted by id."""
-    order = torch.sort(-counts, stable=True).indices
-    return order[:n].sort().values
-
-
 def build_eagle3_model(trainer) -> Eagle3Model:
     d, target = trainer.cfg.drafter, trainer.target
     if d.init_from:
@@ -205,4 +186,4 @@ def export_eagle3(trainer, path) -> None:
 
 
 __all__ = ["Eagle3Batch", "Eagle3Loss", "build_eagle3_loss", "build_eagle3_model", "export_eagle3",
-           "make_eagle3_batch", "new_eagle3_model", "response_token_counts", "top_tokens", "ttt_weights"]
+           "make_eagle3_batch", "new_eagle3_model", "ttt_weights"]

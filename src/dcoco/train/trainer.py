@@ -40,6 +40,25 @@ def is_eval_sample(sample_id: str, permille: int = 20) -> bool:
     return int(hashlib.sha1(f"{sample_id}:heldout".encode()).hexdigest(), 16) % 1000 < permille
 
 
+def response_token_counts(trainer) -> torch.Tensor:
+    """Counts (V,) of response tokens over the training samples (held-out samples excluded)."""
+    cfg = trainer.cfg
+    counts = torch.zeros(trainer.target.vocab_size, dtype=torch.long)
+    for s in trainer.data.samples():
+        if is_eval_sample(s["id"], cfg.data.eval_permille):
+            continue
+        ids = s["input_ids"][s["prompt_len"] : cfg.data.max_length]
+        if ids:
+            counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())
+    return counts
+
+
+def top_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The n most frequent token ids (ties by lower id), sorted by id."""
+    order = torch.sort(-counts, stable=True).indices
+    return order[:n].sort().values
+
+
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1 (slot 0 is the anchor and has no loss)."""
     k = torch.arange(1, block_size, dtype=torch.float32)
@@ -275,6 +294,9 @@ class Trainer:
         self.train_samples = [s for s, h in zip(samples, held) if not h]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
+        size = min(cfg.drafter.draft_vocab_size, target.vocab_size)
+        if isinstance(self.model, DFlashModel) and self.model.draft_ids is None and size < target.vocab_size:
+            self.model.set_draft_vocab(top_tokens(response_token_counts(self), size))
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         for p in target.model.parameters():
@@ -506,7 +528,9 @@ class Trainer:
         if not path.exists():
             return
         st = torch.load(path, weights_only=False, map_location="cpu")
-        self.model.load_state_dict(st["model"])
+        missing, unexpected = self.model.load_state_dict(st["model"], strict=False)
+        if set(missing) - {"draft_ids"} or unexpected:  # runs saved before draft vocabularies keep the new one
+            raise ConfigError(f"{path}: saved model does not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
