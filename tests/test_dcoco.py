@@ -164,3 +164,49 @@ def test_bench_accepts_variant_labels(tmp_path):
     assert cfg.methods == ["vanilla", "dcoco", "dcoco/k4", "dcoco/nocorrect", "dcoco/noemb"]
     with pytest.raises(UnknownMethodError, match="unknown variant"):
         make_config({"methods": "dcoco/noemb", "drafters": f"dcoco={ck}"})
+
+
+def test_anchor_pair_starts_as_dflash_and_corrects_the_first_slot():
+    """anchor_pair adds the pair (anchor, slot 1): zero-initialised it still drafts DFlash's tokens; a
+    non-zero corrector can change the first slot (the published walk keeps it); greedy output and
+    sampling stay lossless."""
+    target = tiny()
+    plain = BlockDrafter(dcoco_model(target), target).propose(_draft_input(target)).tokens
+    assert torch.equal(DCOCODrafter(dcoco_model(target, anchor_pair=True), target).propose(_draft_input(target)).tokens, plain)
+    spec = DCOCODrafter(dcoco_model(target, randomize=True), target).propose(_draft_input(target)).tokens
+    anchored = DCOCODrafter(dcoco_model(target, randomize=True, anchor_pair=True), target).propose(_draft_input(target)).tokens
+    assert torch.equal(spec[:, 0], plain[:, 0]) and not torch.equal(anchored[:, 0], plain[:, 0])
+    model = dcoco_model(target, randomize=True, anchor_pair=True)
+    hid, logits = torch.randn(3, 5, target.hidden_size), torch.randn(3, 5, target.vocab_size)
+    anchor = torch.tensor([7, 8, 9])
+    ids, vals, scores = model.pair_scores(hid, logits, target.model.get_input_embeddings(), anchor=anchor,
+                                          anchor_hidden=torch.randn(3, target.hidden_size))
+    assert ids.shape == (3, 6, 4) and scores.shape == (3, 5, 4, 4) and (ids[:, 0] == anchor.view(3, 1)).all()
+    with pytest.raises(ValueError, match="anchor"):
+        model.pair_scores(hid, logits, target.model.get_input_embeddings())
+    prompts = random_prompts(3, target.vocab_size, seed=5)
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    outs, st = SpeculativeEngine(target, DCOCODrafter(model, target), 5).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and st.drafted > 0
+    small = tiny_target("llama", seed=21, num_hidden_layers=LAYERS, vocab_size=V, initializer_range=0.08)
+    m = dcoco_model(small, randomize=True, top_k=3, sampled_walk=True, anchor_pair=True)
+    pvalue, stats = engine_lossless_pvalue(small, DCOCODrafter(m, small), SamplingParams(temperature=1.0), seed=7)
+    assert 0 < stats.accepted < stats.drafted and pvalue > 1e-3
+
+
+def test_anchor_pair_trains_with_the_anchor_as_position_zero():
+    target = tiny()
+    model = dcoco_model(target, randomize=True, anchor_pair=True, top_k=target.vocab_size).train()  # every label listed
+    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0, 1.0)
+    from dcoco.train.trainer import make_batch
+
+    ids = torch.randint(0, target.vocab_size, (30,)).tolist()
+    b = make_batch([{"input_ids": ids, "prompt_len": 4}], [torch.randn(30, 2 * target.hidden_size)], [[5, 12, 20]], 6)
+    total, extras = loss(b)
+    assert extras["ids"].shape[1] == 6 and (extras["ids"][:, 0, 0] == torch.tensor([ids[5], ids[12], ids[20]])).all()
+    total.backward()
+    assert model.corrector.out.weight.grad.abs().sum() > 0
+    assert extras["metrics"]["recall_at_k"] == 1.0
+    m = loss.eval_metrics(extras, b.labels)
+    assert 1.0 <= m["eval_tau"] <= m["eval_tau_oracle"] == 6.0

@@ -13,6 +13,12 @@ walks the block left to right, each step conditioned on the candidate actually c
 Delta's last layer starts at zero, so an untrained corrector reproduces DFlash exactly. The scores
 reuse the DFlash pass (hidden states and logits): no attention, no extra drafter pass; only the
 K-way lookup of the walk is sequential, and it is vectorised over the batch.
+
+`anchor_pair` (an extension, off by default) also corrects the first draft slot: the anchor (the
+last accepted token, known exactly) becomes position 0 with a shortlist of itself and the drafter's
+hidden state at the anchor slot, so S_0(anchor, b) re-ranks the first slot's candidates. The walk
+is unchanged (it starts at index 0, which is now the anchor). At initialisation S_0 = l_1, so it
+still reproduces DFlash.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class DCOCOConfig(BaseModel):
     use_hidden: bool = True
     use_pair_context: bool = True
     sampled_walk: bool = False  # at T > 0: sample the walk from softmax(S / T) (variant b) instead of one-hot
+    anchor_pair: bool = False  # extension: a pair (anchor, slot 1) so the first draft slot is corrected too
 
 
 class Corrector(nn.Module):
@@ -118,19 +125,26 @@ def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def walk_sampled(scores: torch.Tensor, first_logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor):
+def walk_sampled(scores: torch.Tensor, first_logits: Optional[torch.Tensor], temperature: torch.Tensor,
+                 uniforms: torch.Tensor):
     """Sampled walk: k_1 ~ softmax(l_1 / T) over the shortlist, k_{p+1} ~ softmax(S_p(k_p, .) / T).
-    Returns indices (N, P) and the K-way distribution each index was drawn from (N, P, K)."""
+    `first_logits` None: position 0 is fixed at index 0 (the anchor of `anchor_pair`). Returns
+    indices (N, P) and the K-way distribution each index was drawn from (N, P, K); `uniforms` holds
+    one column per drawn position, in order."""
     N, P1, K, _ = scores.shape
     T = temperature.view(N, 1).float()
     probs = torch.zeros(N, P1 + 1, K, device=scores.device)
     idx = torch.zeros(N, P1 + 1, dtype=torch.long, device=scores.device)
     rows = torch.arange(N, device=scores.device)
-    probs[:, 0] = torch.softmax(first_logits.float() / T, -1)
-    idx[:, 0] = sample_from(probs[:, 0], uniforms[:, 0])
+    if first_logits is None:
+        probs[:, 0, 0] = 1.0
+    else:
+        probs[:, 0] = torch.softmax(first_logits.float() / T, -1)
+        idx[:, 0] = sample_from(probs[:, 0], uniforms[:, 0])
+    u = uniforms[:, int(first_logits is not None):]
     for p in range(P1):
         probs[:, p + 1] = torch.softmax(scores[rows, p, idx[:, p]].float() / T, -1)
-        idx[:, p + 1] = sample_from(probs[:, p + 1], uniforms[:, p + 1])
+        idx[:, p + 1] = sample_from(probs[:, p + 1], u[:, p])
     return idx, probs
 
 
@@ -143,11 +157,25 @@ class DCOCOModel(DFlashModel):
         self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps)
         nn.init.zeros_(self.corrector.out.weight)  # DFlashModel.__init__'s init ran before it existed
 
-    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None):
+    @property
+    def lead(self) -> int:
+        """Positions of the walk before the first draft slot: 1 (the anchor) with `anchor_pair`, else 0."""
+        return int(self.dcfg.anchor_pair)
+
+    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None,
+                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None):
         """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
-        Returns (candidate ids (N, P, K), candidate logits (N, P, K), scores (N, P-1, K, K)); K is the
-        trained top_k unless given (the corrector scores any K: an inference-time ablation)."""
+        Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), scores (N, L+P-1, K, K)) over
+        the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
+        inference-time ablation). With `anchor_pair` (L = 1) position 0 is the anchor: `anchor` (N,)
+        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot)."""
         vals, ids = shortlist(logits, top_k or self.dcfg.top_k)
+        if self.lead:
+            if anchor is None or anchor_hidden is None:
+                raise ValueError("anchor_pair needs the anchor tokens and the anchor slot's hidden state")
+            ids = torch.cat([anchor.view(-1, 1, 1).expand(-1, 1, ids.shape[-1]), ids], dim=1)
+            vals = torch.cat([torch.zeros_like(vals[:, :1]), vals], dim=1)
+            hidden = torch.cat([anchor_hidden.unsqueeze(1).to(hidden.dtype), hidden], dim=1)
         with torch.no_grad():
             emb = embed(ids)
         return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals)
@@ -172,18 +200,22 @@ class DCOCODrafter(BlockDrafter):
             self.sampled_walk = walk == "sampled"
         return self
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
+               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
         N, k, V = logits.shape
-        if not self.correct or k < 2:
+        if not self.correct or k + self.model.lead < 2:
             return super().select(hidden, logits, inp)
         t0 = time.perf_counter()
-        out = self._corrected(hidden, logits, inp)
+        out = self._corrected(hidden, logits, inp, anchor_hidden)
         self.correct_seconds += time.perf_counter() - t0
         return out
 
-    def _corrected(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+    def _corrected(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
+                   anchor_hidden: Optional[torch.Tensor]) -> DraftOutput:
         N, k, V = logits.shape
-        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k)
+        lead = self.model.lead
+        anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
+        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden)
         greedy = torch.tensor([sp.greedy for sp in inp.params])
         pick = walk_greedy(scores)
         probs = None
@@ -191,12 +223,15 @@ class DCOCODrafter(BlockDrafter):
             si = (~greedy).nonzero().squeeze(1)
             temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
             u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
-            sidx, sprobs = walk_sampled(scores[si], vals[si, 0], temps, u)
+            sidx, sprobs = walk_sampled(scores[si], None if lead else vals[si, 0], temps, u)
             pick[si] = sidx
-            probs = torch.zeros(N, k, V, dtype=torch.float32)
+            ids, pick, sprobs = ids[:, lead:], pick[:, lead:], sprobs[:, lead:]
+            probs = torch.zeros(N, k, V, dtype=torch.float32)  # q of each drawn slot, zero off the shortlist
             probs[si] = probs[si].scatter(2, ids[si], sprobs)
             gi = greedy.nonzero().squeeze(1)
             if gi.numel():
                 probs[gi] = probs[gi].scatter(2, ids[gi].gather(2, pick[gi].unsqueeze(2)), 1.0)
+        else:
+            ids, pick = ids[:, lead:], pick[:, lead:]
         tokens = ids.gather(2, pick.unsqueeze(2)).squeeze(2)
         return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)

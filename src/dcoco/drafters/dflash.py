@@ -354,11 +354,11 @@ class BlockDrafter(Drafter):
         positions = start.unsqueeze(1) + torch.arange(B)
         T = kv[0][0].shape[2]
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
-        hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
+        out = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
         # contiguous: a bf16 Linear whose weight does not require grad is ~100x slower on CPU for a
         # strided input (torch 2.13), e.g. a frozen target's LM head
-        hidden = hidden[:, 1 : k + 1].contiguous()
-        return self.select(hidden, self.draft_logits(hidden), inp)
+        hidden = out[:, 1 : k + 1].contiguous()
+        return self.select(hidden, self.draft_logits(hidden), inp, anchor_hidden=out[:, 0])
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits (..., V) of the target's LM head; with a draft vocabulary only its rows are
@@ -371,9 +371,11 @@ class BlockDrafter(Drafter):
         out = sub.new_full((*sub.shape[:-1], self.cfg.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.model.draft_ids, sub)
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
+               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
         """DFlash picks each slot independently: argmax at T=0; at T>0 a sample from the request's
-        own transformed distribution, reported as q."""
+        own transformed distribution, reported as q. (`anchor_hidden`, the anchor slot's output, is
+        for selectors that condition on the anchor.)"""
         N, k, _ = logits.shape
         tokens = logits.argmax(-1)
         probs = None

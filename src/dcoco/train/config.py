@@ -47,6 +47,7 @@ class DrafterSection(_Section):
     use_hidden: bool = True
     use_pair_context: bool = True
     sampled_walk: bool = False  # inference default at T > 0: sampled walk (q = softmax(S / T)) instead of one-hot
+    anchor_pair: bool = False  # extension: also correct the first draft slot, with the anchor as predecessor
     train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
     # DSpark Markov and confidence heads (method: dspark; see drafters/dspark.py)
     markov_rank: int = 64  # r of bias = W2 . W1[x_prev]; W1, W2 hold 2 * vocab * r parameters

@@ -161,8 +161,15 @@ class DCOCOLoss(DrafterLoss):
         logits = self.lm_head(h[:, :, 1:])
         base = self.loss_from_logits(logits, b.labels)
         S, A, P, V = logits.shape
-        ids, vals, scores = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V), self.embed)
-        corr, m = self.corrector_loss(ids, scores, b.labels.reshape(S * A, P))
+        labels = b.labels.reshape(S * A, P)
+        anchor = anchor_hidden = None
+        if self.model.lead:  # anchor_pair: the anchor is the walk's position 0, its own (always present) label
+            anchor = b.ids.gather(1, b.anchors.clamp(min=0)).reshape(-1)
+            anchor_hidden = h[:, :, 0].reshape(S * A, -1)
+            labels = torch.cat([torch.where(labels[:, :1] != -100, anchor.view(-1, 1), -100), labels], dim=1)
+        ids, vals, scores = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
+                                                   self.embed, anchor=anchor, anchor_hidden=anchor_hidden)
+        corr, m = self.corrector_loss(ids, scores, labels)
         m["dflash_loss"] = base.item()
         return base + self.corrector_weight * corr, {"hidden": h, "logits": logits, "ids": ids, "scores": scores, "metrics": m}
 
@@ -176,9 +183,10 @@ class DCOCOLoss(DrafterLoss):
         ce = F.cross_entropy(rows.reshape(-1, rows.shape[-1]).float(), b.reshape(-1), reduction="none").view(b.shape)
         w = torch.exp(-torch.arange(b.shape[1], dtype=torch.float32) / self.gamma).view(1, -1) * valid
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-        labelled = labels != -100
+        lead = self.model.lead  # the anchor row of anchor_pair is always present: not a recall
+        labelled = labels[:, lead:] != -100
         m = {
-            "recall_at_k": (present.sum() / labelled.sum().clamp_min(1)).item(),
+            "recall_at_k": (present[:, lead:].sum() / labelled.sum().clamp_min(1)).item(),
             "selector_acc": ((rows.argmax(-1) == b) & valid).sum().item() / max(1, int(valid.sum())),
             "corrector_loss": loss.item(),
         }
@@ -188,9 +196,11 @@ class DCOCOLoss(DrafterLoss):
         from ..drafters.dcoco import walk_greedy
 
         S, A, P = labels.shape
+        lead = self.model.lead
         ids, scores = extras["ids"], extras["scores"]
         pick = walk_greedy(scores)
-        corrected = ids.gather(2, pick.unsqueeze(2)).squeeze(2).view(S, A, P)
+        corrected = ids.gather(2, pick.unsqueeze(2)).squeeze(2)[:, lead:].reshape(S, A, P)
+        ids = ids[:, lead:]
         tau_c, pp = acceptance_from_predictions(corrected, labels)
         tau_d, _ = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
         oracle = torch.where((ids == labels.view(S * A, P, 1)).any(-1).view(S, A, P), labels, -1)
@@ -244,7 +254,8 @@ def build_block_model(method: str, d, target) -> DFlashModel:
             init_from_target(model, target)
     if method == "dcoco" and not isinstance(model, DCOCOModel):
         dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
-                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context, sampled_walk=d.sampled_walk)
+                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context, sampled_walk=d.sampled_walk,
+                           anchor_pair=d.anchor_pair)
         backbone = model
         model = DCOCOModel(mcfg, dcfg)
         model.load_state_dict(backbone.state_dict(), strict=False)
