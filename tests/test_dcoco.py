@@ -210,3 +210,15 @@ def test_anchor_pair_trains_with_the_anchor_as_position_zero():
     assert extras["metrics"]["recall_at_k"] == 1.0
     m = loss.eval_metrics(extras, b.labels)
     assert 1.0 <= m["eval_tau"] <= m["eval_tau_oracle"] == 6.0
+
+
+def test_shortlist_within_a_draft_vocabulary_equals_masking_the_rest():
+    from dcoco.drafters.dcoco import shortlist
+
+    logits = torch.randn(2, 3, 50)
+    vocab = torch.tensor([1, 4, 9, 16, 25, 36, 49])
+    masked = torch.full_like(logits, float("-inf"))
+    masked[..., vocab] = logits[..., vocab]
+    v1, i1 = shortlist(masked, 4)
+    v2, i2 = shortlist(logits, 4, vocab)
+    assert torch.equal(v1, v2) and torch.equal(i1, i2) and torch.isin(i2, vocab).all()
