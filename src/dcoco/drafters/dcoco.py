@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from ..nn.layers import RMSNorm
 from ..verify import draw_uniforms, sample_from
 from .base import DraftInput, DraftOutput
-from .dflash import BlockDrafter, DFlashConfig, DFlashModel
+from .dflash import BlockDrafter, DFlashConfig, DFlashModel, shortlist
 
 
 class DCOCOConfig(BaseModel):
@@ -106,17 +106,6 @@ class Corrector(nn.Module):
         x = x + self.w_l(feats.to(x.dtype))
         delta = self.out(F.silu(x)).squeeze(-1)
         return lb.unsqueeze(2).to(delta.dtype) + delta
-
-
-def shortlist(logits: torch.Tensor, k: int, vocab: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k candidate logits and ids per position, best first: (N, P, k) each. With a draft
-    vocabulary (sorted target ids) only its columns compete: the same list as at inference, where
-    the rest are -inf, found in a sixth of the time."""
-    if vocab is None:
-        return torch.topk(logits, k, dim=-1)
-    cols = logits.reshape(-1, logits.shape[-1]).index_select(1, vocab)  # 2-D: ~15x faster than on the last of 3 dims
-    vals, idx = torch.topk(cols.view(*logits.shape[:-1], -1), k, dim=-1)
-    return vals, vocab[idx]
 
 
 def walk_greedy(scores: torch.Tensor) -> torch.Tensor:

@@ -252,6 +252,17 @@ def init_from_target(model: DFlashModel, target) -> None:
     model.fc.weight[:, -H:] = torch.eye(H)
 
 
+def shortlist(logits: torch.Tensor, k: int, vocab: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidate logits and ids per position, best first: (N, P, k) each. With a draft
+    vocabulary (sorted target ids) only its columns compete: the same list as at inference, where
+    the rest are -inf, found in a sixth of the time."""
+    if vocab is None:
+        return torch.topk(logits, k, dim=-1)
+    cols = logits.reshape(-1, logits.shape[-1]).index_select(1, vocab)  # 2-D: ~15x faster than on the last of 3 dims
+    vals, idx = torch.topk(cols.view(*logits.shape[:-1], -1), k, dim=-1)
+    return vals, vocab[idx]
+
+
 def inference_mask(ctx_lens: torch.Tensor, T: int, B: int) -> torch.Tensor:
     """(N, 1, B, T + B): each block sees its request's first ctx_lens[n] context slots and itself."""
     N = ctx_lens.shape[0]

@@ -143,8 +143,8 @@ class DSparkLoss(DrafterLoss):
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
         # teacher-forced argmax of z equals the greedy Markov walk up to its first miss, so this is
         # the greedy chain's simulated acceptance
-        tau, pp = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
-        tau_base, _ = acceptance_from_predictions(extras["base_logits"].argmax(-1), labels)
+        tau, pp = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
+        tau_base, _ = acceptance_from_predictions(self.draft_argmax(extras["base_logits"]), labels)
         out = {"eval_tau": tau, "eval_per_position": pp, "eval_tau_no_markov": tau_base,
                **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
         if extras["confidence"] is not None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bench.system import device_label
-from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, training_mask
+from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, shortlist, training_mask
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import RegeneratedUnion
@@ -135,8 +135,12 @@ class DrafterLoss:
         return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
 
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
-        tau, pp = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
+        tau, pp = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
         return {"eval_tau": tau, "eval_per_position": pp}
+
+    def draft_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts as inference makes them: within the draft vocabulary when there is one."""
+        return shortlist(logits, 1, self.model.draft_ids)[1].squeeze(-1)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         V = logits.shape[-1]
@@ -202,7 +206,7 @@ class DCOCOLoss(DrafterLoss):
         corrected = ids.gather(2, pick.unsqueeze(2)).squeeze(2)[:, lead:].reshape(S, A, P)
         ids = ids[:, lead:]
         tau_c, pp = acceptance_from_predictions(corrected, labels)
-        tau_d, _ = acceptance_from_predictions(extras["logits"].argmax(-1), labels)
+        tau_d, _ = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
         oracle = torch.where((ids == labels.view(S * A, P, 1)).any(-1).view(S, A, P), labels, -1)
         tau_o, _ = acceptance_from_predictions(oracle, labels)
         return {"eval_tau": tau_c, "eval_per_position": pp, "eval_tau_dflash": tau_d, "eval_tau_oracle": tau_o,
