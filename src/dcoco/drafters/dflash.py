@@ -366,21 +366,22 @@ class BlockDrafter(Drafter):
         T = kv[0][0].shape[2]
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
         out = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
-        # contiguous: a bf16 Linear whose weight does not require grad is ~100x slower on CPU for a
-        # strided input (torch 2.13), e.g. a frozen target's LM head
-        hidden = out[:, 1 : k + 1].contiguous()
+        # a fresh copy with standard strides: torch 2.13's CPU linear is ~20x slower on a strided input
+        # (and .contiguous() keeps the block stride of a single request's slice)
+        hidden = out[:, 1 : k + 1].clone(memory_format=torch.contiguous_format)
         return self.select(hidden, self.draft_logits(hidden), inp, anchor_hidden=out[:, 0])
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits (..., V) of the target's LM head; with a draft vocabulary only its rows are
         computed and every other token gets -inf (never drafted, probability 0 in q)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, whatever the caller's strides
         if self.head_rows is None:
-            return self.lm_head(hidden).float()
-        sub = torch.nn.functional.linear(hidden, self.head_rows).float()
+            return self.lm_head(flat).float().view(*hidden.shape[:-1], -1)
+        sub = torch.nn.functional.linear(flat, self.head_rows).float()
         if getattr(self.lm_head, "bias", None) is not None:
             sub = sub + self.lm_head.bias[self.model.draft_ids].float()
-        out = sub.new_full((*sub.shape[:-1], self.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.model.draft_ids, sub)
+        out = sub.new_full((sub.shape[0], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.model.draft_ids, sub).view(*hidden.shape[:-1], -1)
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
                anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:

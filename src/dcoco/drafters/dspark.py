@@ -148,7 +148,7 @@ class DSparkDrafter(BlockDrafter):
         T = kv[0][0].shape[2]
         mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
         hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
-        hidden = hidden[:, off : off + k].contiguous()  # contiguous: see BlockDrafter.propose
+        hidden = hidden[:, off : off + k].clone(memory_format=torch.contiguous_format)  # see BlockDrafter.propose
         return self.select(hidden, self.draft_logits(hidden), inp)  # (N, k, V) base logits U
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
