@@ -211,21 +211,19 @@ class DCOCODrafter(BlockDrafter):
         anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
         ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden)
         greedy = torch.tensor([sp.greedy for sp in inp.params])
-        pick = walk_greedy(scores)
+        sampled = self.sampled_walk and not greedy.all()
+        pick = walk_greedy(scores) if not sampled or greedy.any() else torch.zeros(N, k + lead, dtype=torch.long)
         probs = None
-        if self.sampled_walk and not greedy.all():
+        if sampled:
             si = (~greedy).nonzero().squeeze(1)
             temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
             u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
             sidx, sprobs = walk_sampled(scores[si], None if lead else vals[si, 0], temps, u)
             pick[si] = sidx
-            ids, pick, sprobs = ids[:, lead:], pick[:, lead:], sprobs[:, lead:]
-            probs = torch.zeros(N, k, V, dtype=torch.float32)  # q of each drawn slot, zero off the shortlist
-            probs[si] = probs[si].scatter(2, ids[si], sprobs)
-            gi = greedy.nonzero().squeeze(1)
-            if gi.numel():
-                probs[gi] = probs[gi].scatter(2, ids[gi].gather(2, pick[gi].unsqueeze(2)), 1.0)
-        else:
-            ids, pick = ids[:, lead:], pick[:, lead:]
+            short_q = F.one_hot(pick, ids.shape[-1]).float()  # greedy rows: one-hot q
+            short_q[si] = sprobs
+            # q of each drawn slot over the vocabulary, zero off the shortlist (its ids are distinct)
+            probs = torch.zeros(N, k, V).scatter_(2, ids[:, lead:], short_q[:, lead:])
+        ids, pick = ids[:, lead:], pick[:, lead:]
         tokens = ids.gather(2, pick.unsqueeze(2)).squeeze(2)
         return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)
