@@ -1,0 +1,85 @@
+"""Expected acceptance at T=1 of a DFlash-family checkpoint's first two draft slots, on the held-out
+samples of a training config (teacher-forced on the target's greedy continuation):
+sum_x min(p(x), q(x)) with p the target's T=1 distribution (from the stored last-layer features)
+and q the drafter's. Slot 2 is conditioned on slot 1 being the data token (blocks where it is
+shortlisted). For DCOCO q is the sampled walk's (softmax over the K candidates of S), against
+DFlash's full softmax of the same backbone; greedy hit rates are printed too.
+
+  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from dcoco.drafters.dcoco import walk_greedy
+from dcoco.drafters.dflash import load_dflash
+from dcoco.target import Target
+from dcoco.train.config import load_config
+from dcoco.train.data import RegeneratedUnion
+from dcoco.train.trainer import Trainer
+
+
+def overlap(p: torch.Tensor, q: torch.Tensor) -> float:
+    return torch.minimum(p, q).sum().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--config", default="configs/dcoco_smollm2.yaml", help="training config (data, held-out split)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    target = Target.from_pretrained(None, dtype="float32")
+    cfg = load_config(args.config, [f"run.out={tempfile.mkdtemp()}"])
+    tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
+    model, _ = load_dflash(args.checkpoint)
+    model = model.float().eval()
+    tr.loss.model = model
+    H, V = target.hidden_size, target.vocab_size
+    allowed = torch.zeros(V) if model.draft_ids is None else torch.full((V,), float("-inf")).index_fill_(0, model.draft_ids, 0.0)
+    lead = getattr(model, "lead", None)
+    rows: dict[str, list[float]] = {k: [] for k in ("slot1 dflash", "slot1 dcoco", "slot2|1 dflash", "slot2|1 dcoco",
+                                                     "greedy slot1 dflash", "greedy slot1 dcoco")}
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for i in range(0, len(tr.eval_samples), 2):
+            samples = [tr._truncate(s) for s in tr.eval_samples[i : i + 2]]
+            b = tr._batch(samples, 32, gen)
+            h = tr.loss.hidden(b)
+            hs = h[:, :, 1:5]
+            logits = tr.lm_head(hs).float() + allowed
+            for s, smp in enumerate(samples):
+                feats = target.model.model.norm(tr.data.features(smp)[:, -H:].float())  # last layer, normed
+                p_all = torch.softmax(tr.lm_head(feats).float(), -1)  # p_all[t] predicts token t + 1
+                x = smp["input_ids"]
+                for a in range(b.anchors.shape[1]):
+                    anc = int(b.anchors[s, a])
+                    if anc < 0 or anc + 2 >= len(x) or anc + 1 >= feats.shape[0]:
+                        continue
+                    l1, l2 = logits[s, a, 0], logits[s, a, 1]
+                    rows["slot1 dflash"].append(overlap(p_all[anc], torch.softmax(l1, -1)))
+                    rows["greedy slot1 dflash"].append(float(l1.argmax().item() == x[anc + 1]))
+                    if lead is None:
+                        continue
+                    ids, vals, sc = model.pair_scores(hs[s, a].unsqueeze(0), logits[s, a].unsqueeze(0), tr.embed,
+                                                      anchor=torch.tensor([x[anc]]), anchor_hidden=h[s, a, 0].unsqueeze(0))
+                    first = sc[0, 0, 0] if lead else vals[0, 0]
+                    q1 = torch.zeros(V).index_copy_(0, ids[0, lead], torch.softmax(first.float(), -1))
+                    rows["slot1 dcoco"].append(overlap(p_all[anc], q1))
+                    rows["greedy slot1 dcoco"].append(float(ids[0, lead, walk_greedy(sc)[0, lead]].item() == x[anc + 1]))
+                    hit = (ids[0, lead] == x[anc + 1]).nonzero()
+                    if hit.numel():
+                        q2 = torch.zeros(V).index_copy_(0, ids[0, lead + 1], torch.softmax(sc[0, lead, int(hit[0, 0])].float(), -1))
+                        rows["slot2|1 dflash"].append(overlap(p_all[anc + 1], torch.softmax(l2, -1)))
+                        rows["slot2|1 dcoco"].append(overlap(p_all[anc + 1], q2))
+    for k, v in rows.items():
+        if v:
+            print(f"{k:22s} {sum(v) / len(v):.3f}  ({len(v)} blocks)")
+
+
+if __name__ == "__main__":
+    main()
