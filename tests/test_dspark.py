@@ -67,9 +67,9 @@ def test_markov_walk_matches_reference(anchor_slot):
     captured = {}
     real_select = drafter.select
 
-    def spy(hidden, logits, inp):
+    def spy(hidden, logits, inp, **kw):
         captured["logits"] = logits.clone()
-        return real_select(hidden, logits, inp)
+        return real_select(hidden, logits, inp, **kw)
 
     drafter.select = spy
     inp = draft_input(target)

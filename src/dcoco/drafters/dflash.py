@@ -203,9 +203,14 @@ class DFlashModel(nn.Module):
         self.register_buffer("draft_ids", ids.to(self.fc.weight.device))
 
     @property
+    def slot_offset(self) -> int:
+        """Index of the block slot that predicts the token after the anchor (slot 0 holds the anchor)."""
+        return 1
+
+    @property
     def max_draft(self) -> int:
-        """Draft tokens one block pass can propose (slot 0 holds the anchor)."""
-        return self.cfg.block_size - 1
+        """Draft tokens one block pass can propose."""
+        return self.cfg.block_size - self.slot_offset
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -356,7 +361,8 @@ class BlockDrafter(Drafter):
         rids = inp.request_ids
         self._ingest(rids, inp.new_features)
         N, B = len(rids), self.cfg.block_size
-        k = min(inp.num_tokens, B - 1)
+        off = self.model.slot_offset
+        k = min(inp.num_tokens, self.model.max_draft)
         kv, lens = self._batched_context(rids)
         anchors = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
         block = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long)
@@ -368,7 +374,7 @@ class BlockDrafter(Drafter):
         out = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
         # a fresh copy with standard strides: torch 2.13's CPU linear is ~20x slower on a strided input
         # (and .contiguous() keeps the block stride of a single request's slice)
-        hidden = out[:, 1 : k + 1].clone(memory_format=torch.contiguous_format)
+        hidden = out[:, off : off + k].clone(memory_format=torch.contiguous_format)
         return self.select(hidden, self.draft_logits(hidden), inp, anchor_hidden=out[:, 0])
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from ..errors import ModelNotFoundError
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
 from .checkpoint import load_checkpoint, load_weights, save_checkpoint
-from .dflash import BlockDrafter, DFlashConfig, DFlashModel, inference_mask
+from .dflash import BlockDrafter, DFlashConfig, DFlashModel
 
 
 class DSparkConfig(BaseModel):
@@ -106,10 +106,6 @@ class DSparkModel(DFlashModel):
         """Index of the block slot that predicts x_{a+1}."""
         return 0 if self.scfg.anchor_slot else 1
 
-    @property
-    def max_draft(self) -> int:
-        return self.cfg.block_size - self.slot_offset
-
     def step_logits(self, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor):
         """Markov-adjusted logits z = U + bias(prev) (float32) and the confidence logit (or None)
         for base logits (..., V), slot hidden states (..., H) and previous tokens (...)."""
@@ -133,26 +129,9 @@ class DSparkDrafter(BlockDrafter):
             raise ValueError("confidence truncation needs a checkpoint trained with the confidence head")
         self.confidence_threshold = thr
 
-    @torch.inference_mode()
-    def propose(self, inp: DraftInput) -> DraftOutput:
-        rids = inp.request_ids
-        self._ingest(rids, inp.new_features)
-        N, B = len(rids), self.cfg.block_size
-        off = self.model.slot_offset
-        k = min(inp.num_tokens, B - off)
-        kv, lens = self._batched_context(rids)
-        block = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long)
-        block[:, 0] = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
-        start = torch.tensor([len(ids) - 1 for ids in inp.token_ids], dtype=torch.long)
-        positions = start.unsqueeze(1) + torch.arange(B)
-        T = kv[0][0].shape[2]
-        mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
-        hidden = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
-        hidden = hidden[:, off : off + k].clone(memory_format=torch.contiguous_format)  # see BlockDrafter.propose
-        return self.select(hidden, self.draft_logits(hidden), inp)  # (N, k, V) base logits U
-
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput) -> DraftOutput:
-        N, k, V = logits.shape
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
+               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
+        N, k, V = logits.shape  # logits: the base logits U of the block pass
         prev = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
         sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
         u = draw_uniforms([inp.generators[b] for b in sampled], k, logits.device) if sampled else None
