@@ -1,11 +1,16 @@
-"""Expected acceptance at T=1 of a DFlash-family checkpoint's first two draft slots, on the held-out
-samples of a training config (teacher-forced on the target's greedy continuation):
-sum_x min(p(x), q(x)) with p the target's T=1 distribution (from the stored last-layer features)
-and q the drafter's. Slot 2 is conditioned on slot 1 being the data token (blocks where it is
-shortlisted). For DCOCO q is the sampled walk's (softmax over the K candidates of S), against
-DFlash's full softmax of the same backbone; greedy hit rates are printed too.
+"""Expected acceptance at T=1 of a DFlash-family checkpoint's first two draft slots, teacher-forced
+on held-out samples: sum_x min(p(x), q(x)) with p the target's T=1 distribution (from the stored
+last-layer features) and q what the drafter samples the slot from. Slot 2 is conditioned on slot 1
+being the data token (blocks where it is shortlisted). For DCOCO, q is that of both sampled walks:
+over the shortlist (softmax of S over the K candidates) and over the draft vocabulary (DFlash's
+softmax with the K candidates rescored, `vocab_walk`), from the T > 0 scores (the sampled head's
+when the checkpoint has one); DFlash's q is the same backbone's softmax.
+Greedy first-slot hit rates are printed too.
 
-  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml]
+  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR]
+
+--data evaluates every sample of another regenerated set (e.g. the target's own T=1 answers,
+`dcoco data regenerate --temperature 1`) instead of the config's held-out samples.
 """
 
 from __future__ import annotations
@@ -31,19 +36,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml", help="training config (data, held-out split)")
+    ap.add_argument("--data", help="evaluate all samples of this regenerated data directory instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.from_pretrained(None, dtype="float32")
     cfg = load_config(args.config, [f"run.out={tempfile.mkdtemp()}"])
     tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
+    if args.data:
+        tr.data = RegeneratedUnion(args.data)
+        tr.eval_samples = [s for s in tr.data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
     model, _ = load_dflash(args.checkpoint)
     model = model.float().eval()
     tr.loss.model = model
     H, V = target.hidden_size, target.vocab_size
     allowed = torch.zeros(V) if model.draft_ids is None else torch.full((V,), float("-inf")).index_fill_(0, model.draft_ids, 0.0)
     lead = getattr(model, "lead", None)
-    rows: dict[str, list[float]] = {k: [] for k in ("slot1 dflash", "slot1 dcoco", "slot2|1 dflash", "slot2|1 dcoco",
-                                                     "greedy slot1 dflash", "greedy slot1 dcoco")}
+    names = ("dflash", "dcoco shortlist", "dcoco vocab")
+    rows: dict[str, list[float]] = {f"{s} {n}": [] for s in ("slot1", "slot2|1") for n in names}
+    rows.update({"greedy slot1 dflash": [], "greedy slot1 dcoco": []})
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for i in range(0, len(tr.eval_samples), 2):
@@ -65,20 +75,33 @@ def main() -> None:
                     rows["greedy slot1 dflash"].append(float(l1.argmax().item() == x[anc + 1]))
                     if lead is None:
                         continue
-                    ids, vals, sc = model.pair_scores(hs[s, a].unsqueeze(0), logits[s, a].unsqueeze(0), tr.embed,
-                                                      anchor=torch.tensor([x[anc]]), anchor_hidden=h[s, a, 0].unsqueeze(0))
+                    ids, vals, (greedy, sc) = model.pair_scores(  # the walks' scores: greedy and T > 0 (sampled head)
+                        hs[s, a].unsqueeze(0), logits[s, a].unsqueeze(0), tr.embed, anchor=torch.tensor([x[anc]]),
+                        anchor_hidden=h[s, a, 0].unsqueeze(0), sampled=None)
+                    ids = ids[0]
                     first = sc[0, 0, 0] if lead else vals[0, 0]
-                    q1 = torch.zeros(V).index_copy_(0, ids[0, lead], torch.softmax(first.float(), -1))
-                    rows["slot1 dcoco"].append(overlap(p_all[anc], q1))
-                    rows["greedy slot1 dcoco"].append(float(ids[0, lead, walk_greedy(sc)[0, lead]].item() == x[anc + 1]))
-                    hit = (ids[0, lead] == x[anc + 1]).nonzero()
+                    rows["slot1 dcoco shortlist"].append(overlap(p_all[anc], shortlist_q(ids[lead], first, V)))
+                    rows["slot1 dcoco vocab"].append(overlap(p_all[anc], vocab_q(l1, ids[lead], first)))
+                    rows["greedy slot1 dcoco"].append(float(ids[lead, walk_greedy(greedy)[0, lead]].item() == x[anc + 1]))
+                    hit = (ids[lead] == x[anc + 1]).nonzero()
                     if hit.numel():
-                        q2 = torch.zeros(V).index_copy_(0, ids[0, lead + 1], torch.softmax(sc[0, lead, int(hit[0, 0])].float(), -1))
+                        row = sc[0, lead, int(hit[0, 0])]
                         rows["slot2|1 dflash"].append(overlap(p_all[anc + 1], torch.softmax(l2, -1)))
-                        rows["slot2|1 dcoco"].append(overlap(p_all[anc + 1], q2))
+                        rows["slot2|1 dcoco shortlist"].append(overlap(p_all[anc + 1], shortlist_q(ids[lead + 1], row, V)))
+                        rows["slot2|1 dcoco vocab"].append(overlap(p_all[anc + 1], vocab_q(l2, ids[lead + 1], row)))
     for k, v in rows.items():
         if v:
-            print(f"{k:22s} {sum(v) / len(v):.3f}  ({len(v)} blocks)")
+            print(f"{k:24s} {sum(v) / len(v):.3f}  ({len(v)} blocks)")
+
+
+def shortlist_q(ids: torch.Tensor, scores: torch.Tensor, V: int) -> torch.Tensor:
+    """The shortlist walk's q over the vocabulary: softmax of the K scores, zero elsewhere."""
+    return torch.zeros(V).index_copy_(0, ids, torch.softmax(scores.float(), -1))
+
+
+def vocab_q(logits: torch.Tensor, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The vocabulary walk's q: the drafter's softmax with the K candidates' logits replaced by S."""
+    return torch.softmax(logits.clone().index_copy_(0, ids, scores.float()), -1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_excluded_pairs_contribute_no_loss():
     ids = torch.tensor([[[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]]])  # (1, P=4, K=3)
     labels = torch.tensor([[6, 10, 99, 14]])  # position 2's label is not shortlisted
     scores = torch.randn(1, 3, 3, 3, requires_grad=True)
-    l, m = loss.corrector_loss(ids, scores, labels)
+    l, _, _, m = loss.corrector_loss(ids, scores, labels)
     l.backward()
     # pairs (1,2) and (2,3) touch position 2: no gradient reaches their scores
     assert scores.grad[0, 1].abs().sum() == 0 and scores.grad[0, 2].abs().sum() == 0
@@ -109,11 +110,14 @@ def test_greedy_equality_with_correction():
 V = 5
 
 
-@pytest.mark.parametrize("sampled_walk", [False, True])
-def test_sampling_is_lossless(sampled_walk):
+@pytest.mark.parametrize("walk,anchor_pair", [("onehot", False), ("sampled", False), ("vocab", False), ("vocab", True)])
+def test_sampling_is_lossless(walk, anchor_pair):
     target = tiny_target("llama", seed=21, num_hidden_layers=LAYERS, vocab_size=V, initializer_range=0.08)
-    model = dcoco_model(target, randomize=True, top_k=3, sampled_walk=sampled_walk)
-    pvalue, stats = engine_lossless_pvalue(target, DCOCODrafter(model, target), SamplingParams(temperature=1.0), seed=7)
+    model = dcoco_model(target, randomize=True, top_k=3, anchor_pair=anchor_pair, sampled_head=anchor_pair)
+    if anchor_pair:  # the T > 0 walk on its own output
+        torch.nn.init.normal_(model.corrector.out_sampled.weight, std=3.0)
+    drafter = DCOCODrafter(model, target).configure(walk=walk)
+    pvalue, stats = engine_lossless_pvalue(target, drafter, SamplingParams(temperature=1.0), seed=7)
     assert 0 < stats.accepted < stats.drafted
     assert pvalue > 1e-3
 
@@ -149,6 +153,9 @@ def test_inference_variants(tmp_path):
     assert on.correct_seconds > 0
     assert variant_options("dcoco/k16") == {"dcoco_top_k": 16} and variant_options("dcoco/nocorrect") == {"dcoco_correct": False}
     assert variant_options("dcoco/sampled") == {"dcoco_walk": "sampled"} and variant_options("dcoco/noemb") == {}
+    assert variant_options("dcoco/vocab") == {"dcoco_walk": "vocab"}
+    vw = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_walk="vocab"), target)
+    assert vw.walk == "vocab" and DCOCODrafter(model, target).walk == "onehot"  # the checkpoint's default
     with pytest.raises(ConfigError, match="apply to method dcoco"):
         load_drafter(SpeculativeConfig(method="dflash", model=str(tmp_path / "ck"), dcoco_top_k=2), target)
 
@@ -222,3 +229,91 @@ def test_shortlist_within_a_draft_vocabulary_equals_masking_the_rest():
     v1, i1 = shortlist(masked, 4)
     v2, i2 = shortlist(logits, 4, vocab)
     assert torch.equal(v1, v2) and torch.equal(i1, i2) and torch.isin(i2, vocab).all()
+
+
+@pytest.mark.parametrize("anchor_pair,top_k,vocab_walk,sampled_head",
+                         [(True, 3, False, False), (False, 32, False, False), (True, 3, True, False), (True, 32, True, True)])
+def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_walk, sampled_head):
+    """The corrector's L1 term: sum_b |softmax(S_p(a*, .))_b - p_target(c_b)| over the pairs that reach
+    the first num_speculative_tokens slots, p_target recomputed from the last layer; it needs the
+    predecessor shortlisted, not the target token, and its complement is the T=1 acceptance."""
+    from test_dspark import _features
+
+    from dcoco.train.dspark import TargetHead
+    from dcoco.train.trainer import make_batch
+
+    target = tiny()
+    model = dcoco_model(target, randomize=True, anchor_pair=anchor_pair, top_k=top_k, vocab_walk=vocab_walk,
+                        sampled_head=sampled_head).train()
+    if sampled_head:
+        torch.nn.init.normal_(model.corrector.out_sampled.weight, std=3.0)
+    model.cfg.num_speculative_tokens = 3
+    H, taps = target.hidden_size, list(model.cfg.taps) + [LAYERS]
+    cols = torch.cat([torch.arange((t - 1) * H, t * H) for t in taps])
+    split = (len(taps) - 1) * H
+    emb, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    loss = DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5, head=TargetHead(target), split=split)
+    plain = DCOCOLoss(model, emb, head, 7.0, 1.0)
+    ids = [(7 * i + 3) % target.vocab_size for i in range(24)]
+    feats, tlogits = _features(target, ids)
+    anchors = [4, 9, 15]
+    b = make_batch([{"input_ids": ids, "prompt_len": 4}], [feats[:, cols]], [anchors], 6)
+    total, ex = loss(b)
+    m = ex["metrics"]
+    base, _ = plain(make_batch([{"input_ids": ids, "prompt_len": 4}], [feats[:, cols[:split]]], [anchors], 6))
+    assert total.item() == pytest.approx(base.item() + 0.5 * m["corrector_l1"], rel=1e-4)
+    lead = model.lead
+    walk = [[ids[a]] * lead + ids[a + 1 : a + 6] for a in anchors]  # labels along the walk
+    num = den = acc = n_acc = 0.0
+    for n, a in enumerate(anchors):
+        for p in range(3 - 1 + lead):  # pairs ending at slots 1..3 (2..3 without the anchor pair)
+            cand_prev, cand = ex["ids"][n, p].tolist(), ex["ids"][n, p + 1]
+            if walk[n][p] not in cand_prev:
+                continue
+            s_row = ex["sampled_scores"][n, p, cand_prev.index(walk[n][p])].detach().float()
+            pt = torch.softmax(tlogits[a + p + 1 - lead], -1)  # the slot's own distribution
+            if vocab_walk:  # the drafter's softmax with the shortlist rescored
+                q = torch.softmax(ex["logits"][0, n, p + 1 - lead].detach().float().index_put((cand,), s_row), -1)
+            else:
+                q, pt = torch.softmax(s_row, -1), pt[cand]
+            w = math.exp(-p / 7.0)
+            num, den = num + w * float((q - pt).abs().sum()), den + w
+            acc, n_acc = acc + float(torch.minimum(q, pt).sum()), n_acc + 1
+    assert den > 0 and m["corrector_l1"] == pytest.approx(num / den, rel=1e-4)
+    assert m["t1_accept_est"] == pytest.approx(acc / n_acc, rel=1e-4)
+    assert sampled_head or torch.equal(ex["sampled_scores"], ex["scores"])
+    total.backward()
+    assert model.corrector.out.weight.grad.abs().sum() > 0
+    if sampled_head:  # cross-entropy trains the greedy output, the L1 term the sampled one
+        assert model.corrector.out_sampled.weight.grad.abs().sum() > 0
+        model.zero_grad()
+        plain(make_batch([{"input_ids": ids, "prompt_len": 4}], [feats[:, cols[:split]]], [anchors], 6))[0].backward()
+        assert model.corrector.out_sampled.weight.grad is None or model.corrector.out_sampled.weight.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="target head"):
+        DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5)
+
+
+@pytest.mark.parametrize("anchor_pair", [False, True])
+def test_vocab_walk_starts_as_dflash_sampling(anchor_pair):
+    """The vocabulary walk with a zero corrector draws DFlash's tokens from DFlash's q (same request
+    generators); a trained corrector moves q only on the shortlist of a slot whose predecessor was
+    drawn from its own shortlist."""
+    target = tiny()
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams()]
+    plain = BlockDrafter(dcoco_model(target), target).propose(_draft_input(target, params=params))
+    zero = DCOCODrafter(dcoco_model(target, anchor_pair=anchor_pair), target).configure(walk="vocab")
+    out = zero.propose(_draft_input(target, params=params))
+    assert torch.equal(out.tokens, plain.tokens) and torch.allclose(out.probs, plain.probs)
+    model = dcoco_model(target, randomize=True, anchor_pair=anchor_pair, sampled_head=True)
+    d = DCOCODrafter(model, target).configure(walk="vocab")  # a zero sampled head: DFlash's sampling, greedy rows corrected
+    mixed = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0)]
+    out = d.propose(_draft_input(target, params=mixed))
+    ref = BlockDrafter(model, target).propose(_draft_input(target, params=mixed))
+    greedy_walk = DCOCODrafter(model, target).propose(_draft_input(target)).tokens
+    assert torch.equal(out.tokens[[0, 2]], ref.tokens[[0, 2]]) and torch.equal(out.tokens[1], greedy_walk[1])
+    torch.nn.init.normal_(model.corrector.out_sampled.weight, std=3.0)
+    inp = _draft_input(target, params=[SamplingParams(temperature=1.0)] * 3)
+    out = d.propose(inp)
+    assert torch.allclose(out.probs.sum(-1), torch.ones(3, 5)) and (out.probs.gather(2, out.tokens.unsqueeze(2)) > 0).all()
+    base = BlockDrafter(model, target).propose(_draft_input(target, params=[SamplingParams(temperature=1.0)] * 3))
+    assert not torch.allclose(out.probs, base.probs)  # the corrector changed q somewhere

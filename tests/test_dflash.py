@@ -201,8 +201,8 @@ def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
 
 
 def test_union_of_regenerated_sets(tiny_data, tmp_path):
-    """Two directories regenerated side by side train as one set; a duplicate id is read once, and
-    directories with other settings are refused."""
+    """Two directories regenerated side by side train as one set; a duplicate id is read once unless
+    answered at another temperature, and directories with other taps are refused."""
     from dcoco.train.data import RegeneratedUnion
 
     target, root = tiny_data
@@ -218,9 +218,15 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
     extra = next(s for s in got if s["id"] == "extra")
     assert union.features(extra).shape == (len(extra["input_ids"]) - 1, 2 * target.hidden_size)
     Trainer(_cfg([str(root), str(other)], tmp_path / "run", **{"optim.steps": 2}), target, union).run(progress=False)
+    # the target's T=1 answers to the same prompts are other samples (same ids, held out alike)
+    hot = tmp_path / "hot"
+    regenerate(target, prompts[:2], hot, num_samples=2, taps=taps, sampling=SamplingParams(temperature=1.0, max_tokens=7),
+               progress=False)
+    both = RegeneratedUnion([root, hot])
+    assert both.manifest["taps"] == taps and len(both.samples()) == len(samples) + 2
     odd = tmp_path / "odd"
-    regenerate(target, prompts[:1], odd, num_samples=1, taps=taps, sampling=SamplingParams(max_tokens=7), progress=False)
-    with pytest.raises(ConfigError, match="max_new_tokens"):
+    regenerate(target, prompts[:1], odd, num_samples=1, taps=taps[:1], sampling=SamplingParams(max_tokens=7), progress=False)
+    with pytest.raises(ConfigError, match="taps"):
         RegeneratedUnion([root, odd]).manifest
 
 

@@ -149,7 +149,7 @@ def test_loss_terms_match_hand_computation():
     loss, ex = loss_fn(b)
     z, conf, m = ex["logits"].detach(), ex["confidence"].detach(), ex["metrics"]
     # the target distribution recomputed from tap L equals the target's own next-token distribution
-    pt = loss_fn.target_probs(b, 6)
+    pt = loss_fn.head.next_token_probs(b, loss_fn.split, 6)
     for j, anc in enumerate(a):
         for s in range(6):
             if anc + s < len(ids) - 1:
@@ -296,3 +296,23 @@ def test_online_features_train_like_stored(tiny_data, tmp_path):
     losses = [Trainer(_cfg(root, tmp_path / mode, **{"data.features": mode, "optim.steps": 1}), target,
                       RegeneratedData(root)).train_step()["loss"] for mode in ("stored", "online")]
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+
+
+def test_dcoco_distribution_term_trains_from_the_last_layer(tiny_data, tmp_path):
+    """method dcoco with optim.corrector_l1_weight reads p_target from the last layer as DSpark does,
+    logs the term and its T=1 acceptance estimate; a warm start from that DCOCO keeps the corrector
+    and takes the walk defaults from the config."""
+    target, root = tiny_data
+    over = {"method": "dcoco", "optim.steps": 4, "optim.corrector_l1_weight": 1.0, "drafter.top_k": 3, "drafter.proj_dim": 8,
+            "drafter.corrector_hidden": 16, "drafter.anchor_pair": True, "drafter.sampled_walk": True,
+            "drafter.vocab_walk": True}
+    tr = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
+    tr.run(progress=False)
+    rows = [json.loads(l) for l in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    assert all(r["corrector_l1"] > 0 and 0 <= r["t1_accept_est"] <= 1 for r in rows)
+    warm = {**over, "drafter.init_from": str(tmp_path / "a" / "drafter"), "drafter.vocab_walk": False,
+            "optim.corrector_l1_weight": 0.0}
+    tr2 = Trainer(_cfg(root, tmp_path / "b", **warm), target, RegeneratedData(root))
+    assert torch.allclose(tr2.model.corrector.out.weight, tr.model.corrector.out.weight, rtol=1e-2, atol=1e-4)  # bf16 export
+    assert tr2.model.corrector.out.weight.abs().sum() > 0
+    assert tr2.model.dcfg.sampled_walk and not tr2.model.dcfg.vocab_walk

@@ -167,7 +167,7 @@ def resolve_methods(names: Sequence[str], with_checkpoint: Sequence[str] = ()) -
                 out.append(n)
             elif base in avail:
                 raise UnknownMethodError(f"method {n!r}: unknown variant {tag!r} (dcoco knows kN, nocorrect, onehot, "
-                                         f"sampled; any other label needs --drafters {n}=DIR)")
+                                         f"sampled, vocab; any other label needs --drafters {n}=DIR)")
             else:
                 raise UnknownMethodError(f"method {n!r}: {base!r} is not available; available: {', '.join(avail)}")
         elif n in METHODS:

@@ -30,7 +30,8 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = 1
     # DCOCO inference options (ablations; None keeps the checkpoint's setting)
     dcoco_top_k: Optional[int] = None  # shortlist size K
-    dcoco_walk: Optional[Literal["onehot", "sampled"]] = None  # T > 0: one-hot corrected draft (a) or sampled walk (b)
+    # T > 0: one-hot corrected draft (a), sampled walk over the shortlist (b), or over the draft vocabulary (extension)
+    dcoco_walk: Optional[Literal["onehot", "sampled", "vocab"]] = None
     dcoco_correct: bool = True  # False: draft with the DCOCO checkpoint's backbone alone, as plain DFlash
 
     @field_validator("method")
@@ -129,14 +130,14 @@ def split_label(label: str) -> tuple[str, str]:
 
 def variant_options(label: str) -> dict:
     """SpeculativeConfig options a variant label stands for. DCOCO tags: `kN` (shortlist of N),
-    `nocorrect` (its backbone alone), `onehot` / `sampled` (the T > 0 draft variant). Any other tag
+    `nocorrect` (its backbone alone), `onehot` / `sampled` / `vocab` (the T > 0 draft variant). Any other tag
     only names a checkpoint given explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
     base, tag = split_label(label)
     if base != "dcoco" or not tag:
         return {}
     if tag == "nocorrect":
         return {"dcoco_correct": False}
-    if tag in ("onehot", "sampled"):
+    if tag in ("onehot", "sampled", "vocab"):
         return {"dcoco_walk": tag}
     m = re.fullmatch(r"k(\d+)", tag)
     return {"dcoco_top_k": int(m[1])} if m else {}

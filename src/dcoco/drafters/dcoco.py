@@ -19,6 +19,13 @@ last accepted token, known exactly) becomes position 0 with a shortlist of itsel
 hidden state at the anchor slot, so S_0(anchor, b) re-ranks the first slot's candidates. The walk
 is unchanged (it starts at index 0, which is now the anchor). At initialisation S_0 = l_1, so it
 still reproduces DFlash.
+
+At T > 0 the walk is (a) the one-hot corrected draft or (b) sampled, k_{p+1} ~ softmax(S_p(k_p, .) / T)
+over the K candidates (`sampled_walk`). `vocab_walk` (an extension of (b)) samples each slot from the
+drafter's own distribution over the draft vocabulary with the K candidates' logits replaced by
+S_p(k_p, .): the target's mass off the shortlist stays reachable (at T=1 it is most of it), and a
+zero corrector samples exactly as DFlash does. Its scores must be trained on an absolute scale
+(the L1 term of `DCOCOLoss`): cross-entropy over K candidates leaves their common offset free.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from ..nn.layers import RMSNorm
+from ..sampling import probabilities
 from ..verify import draw_uniforms, sample_from
 from .base import DraftInput, DraftOutput
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel, shortlist
@@ -47,6 +55,8 @@ class DCOCOConfig(BaseModel):
     use_hidden: bool = True
     use_pair_context: bool = True
     sampled_walk: bool = False  # at T > 0: sample the walk from softmax(S / T) (variant b) instead of one-hot
+    vocab_walk: bool = False  # extension of the sampled walk: draw from the whole draft vocabulary, the shortlist rescored
+    sampled_head: bool = False  # extension: a second output of Delta scores the T > 0 walks (trained to match p_target)
     anchor_pair: bool = False  # extension: a pair (anchor, slot 1) so the first draft slot is corrected too
 
 
@@ -71,8 +81,13 @@ class Corrector(nn.Module):
         self.w_s = nn.Linear(d, h, bias=False)
         self.w_l = nn.Linear(4, h, bias=False)
         self.out = nn.Linear(h, 1)
-        nn.init.zeros_(self.out.weight)
-        nn.init.zeros_(self.out.bias)
+        # the T > 0 walks' own output (`sampled_head`): greedy selection wants the target's argmax
+        # ranked first, sampling wants q close to p_target; one output cannot serve both
+        self.out_sampled = nn.Linear(h, 1) if cfg.sampled_head else None
+        for layer in (self.out, self.out_sampled):
+            if layer is not None:
+                nn.init.zeros_(layer.weight)
+                nn.init.zeros_(layer.bias)
 
     def candidates(self, emb: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
         """z (N, P, K, d) from candidate embeddings (N, P, K, H) and position hidden states (N, P, H)."""
@@ -84,11 +99,12 @@ class Corrector(nn.Module):
             hh = torch.zeros_like(hh)
         return F.silu(self.fuse(torch.cat([e, hh], dim=-1)))
 
-    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor, sampled: Optional[bool] = False):
         """Transition scores S (N, P-1, K, K): S[:, p, a, b] = l_{p+1}(b) + Delta(a, b).
 
         emb: (N, P, K, H) candidate embeddings; hid: (N, P, H) drafter hidden states;
-        logits: (N, P, K) the drafter's logits of the candidates."""
+        logits: (N, P, K) the drafter's logits of the candidates. `sampled`: the T > 0 walks' scores
+        (the greedy ones without a `sampled_head`); None: both, as a (greedy, sampled) pair from one pass."""
         z = self.candidates(emb, hid)
         za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
         x = self.w_a(za).unsqueeze(3) + self.w_b(zb).unsqueeze(2)  # (N, P-1, K, K, h)
@@ -103,9 +119,13 @@ class Corrector(nn.Module):
         feats = torch.stack(
             [la.unsqueeze(3).expand(-1, -1, K, K), lb.unsqueeze(2).expand(-1, -1, K, K),
              lsa.unsqueeze(3).expand(-1, -1, K, K), lsb.unsqueeze(2).expand(-1, -1, K, K)], dim=-1)
-        x = x + self.w_l(feats.to(x.dtype))
-        delta = self.out(F.silu(x)).squeeze(-1)
-        return lb.unsqueeze(2).to(delta.dtype) + delta
+        x = F.silu(x + self.w_l(feats.to(x.dtype)))
+        base = lb.unsqueeze(2)
+        greedy = None if sampled and self.out_sampled is not None else base + self.out(x).squeeze(-1)
+        if sampled is False or self.out_sampled is None:
+            return greedy if sampled is not None else (greedy, greedy)
+        hot = base + self.out_sampled(x).squeeze(-1)
+        return hot if sampled else (greedy, hot)
 
 
 def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
@@ -142,6 +162,36 @@ def walk_sampled(scores: torch.Tensor, first_logits: Optional[torch.Tensor], tem
     return idx, probs
 
 
+def walk_vocab(scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, lead: int, params, uniforms: torch.Tensor):
+    """Sampled walk over the whole draft vocabulary (an extension): slot j draws from the drafter's
+    own distribution (temperature, top-k, top-p of the request) with its K shortlisted candidates
+    rescored by S(k_prev, .), where k_prev is the candidate drawn before it; a draw off the
+    shortlist leaves the next slot uncorrected. The K-way walk loses the target's mass off the
+    shortlist, which at T=1 is large; this q keeps it, and with Delta = 0 it is exactly DFlash's.
+
+    scores (N, L+k-1, K, K), ids (N, L+k, K) over the walk's positions; logits (N, k, V) of the
+    draft slots; L = `lead`. Returns tokens (N, k) and q (N, k, V)."""
+    N, k, V = logits.shape
+    rows = torch.arange(N, device=logits.device)
+    tokens = torch.zeros(N, k, dtype=torch.long, device=logits.device)
+    probs = torch.zeros(N, k, V, device=logits.device)
+    prev = torch.zeros(N, dtype=torch.long, device=logits.device)  # index of the drawn candidate at the previous position
+    listed = torch.full((N,), bool(lead), device=logits.device)  # ... and whether it was on its shortlist
+    for j in range(k):
+        w = j + lead  # walk position of slot j
+        row = logits[:, j].float()
+        if w > 0 and listed.any():
+            row = row.clone()
+            fix = listed.nonzero().squeeze(1)
+            row[fix] = row[fix].scatter(1, ids[fix, w], scores[fix, w - 1, prev[fix]].float())
+        for b, sp in enumerate(params):
+            probs[b, j] = probabilities(row[b], sp.temperature, sp.top_k, sp.top_p)
+        tokens[:, j] = sample_from(probs[:, j], uniforms[:, j])
+        hit = ids[rows, w] == tokens[:, j : j + 1]
+        listed, prev = hit.any(-1), hit.float().argmax(-1)
+    return tokens, probs
+
+
 class DCOCOModel(DFlashModel):
     """The DFlash backbone plus the corrector (trained jointly)."""
 
@@ -157,12 +207,14 @@ class DCOCOModel(DFlashModel):
         return int(self.dcfg.anchor_pair)
 
     def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None,
-                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None):
+                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None,
+                    sampled: Optional[bool] = False):
         """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
         Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), scores (N, L+P-1, K, K)) over
         the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
         inference-time ablation). With `anchor_pair` (L = 1) position 0 is the anchor: `anchor` (N,)
-        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot)."""
+        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot).
+        `sampled` picks the scores as `Corrector.forward` does (None: a (greedy, sampled) pair)."""
         vals, ids = shortlist(logits, top_k or self.dcfg.top_k, self.draft_ids)
         if self.lead:
             if anchor is None or anchor_hidden is None:
@@ -172,7 +224,7 @@ class DCOCOModel(DFlashModel):
             hidden = torch.cat([anchor_hidden.unsqueeze(1).to(hidden.dtype), hidden], dim=1)
         with torch.no_grad():
             emb = embed(ids)
-        return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals)
+        return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals, sampled)
 
 
 class DCOCODrafter(BlockDrafter):
@@ -182,16 +234,16 @@ class DCOCODrafter(BlockDrafter):
         super().__init__(model, target)
         self.correct = correct
         self.top_k = model.dcfg.top_k
-        self.sampled_walk = model.dcfg.sampled_walk
+        self.walk = "vocab" if model.dcfg.vocab_walk else "sampled" if model.dcfg.sampled_walk else "onehot"
         self.correct_seconds = 0.0  # wall time spent in shortlist + pair scores + walk (overhead accounting)
 
     def configure(self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None) -> "DCOCODrafter":
-        """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled')."""
+        """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled' | 'vocab')."""
         self.correct = correct
         if top_k is not None:
             self.top_k = top_k
         if walk is not None:
-            self.sampled_walk = walk == "sampled"
+            self.walk = walk
         return self
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
@@ -209,21 +261,26 @@ class DCOCODrafter(BlockDrafter):
         N, k, V = logits.shape
         lead = self.model.lead
         anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
-        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden)
         greedy = torch.tensor([sp.greedy for sp in inp.params])
-        sampled = self.sampled_walk and not greedy.all()
+        sampled = self.walk != "onehot" and not greedy.all()
+        heads = None if sampled and greedy.any() else sampled  # the scores each row's walk needs
+        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden, heads)
+        scores, hot = scores if heads is None else (scores, scores)
         pick = walk_greedy(scores) if not sampled or greedy.any() else torch.zeros(N, k + lead, dtype=torch.long)
+        tokens = ids[:, lead:].gather(2, pick[:, lead:].unsqueeze(2)).squeeze(2)
         probs = None
         if sampled:
             si = (~greedy).nonzero().squeeze(1)
-            temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
             u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
-            sidx, sprobs = walk_sampled(scores[si], None if lead else vals[si, 0], temps, u)
-            pick[si] = sidx
-            short_q = F.one_hot(pick, ids.shape[-1]).float()  # greedy rows: one-hot q
-            short_q[si] = sprobs
-            # q of each drawn slot over the vocabulary, zero off the shortlist (its ids are distinct)
-            probs = torch.zeros(N, k, V).scatter_(2, ids[:, lead:], short_q[:, lead:])
-        ids, pick = ids[:, lead:], pick[:, lead:]
-        tokens = ids.gather(2, pick.unsqueeze(2)).squeeze(2)
+            if self.walk == "vocab":
+                tok, q = walk_vocab(hot[si], ids[si], logits[si], lead, [inp.params[b] for b in si.tolist()], u)
+            else:
+                temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
+                sidx, sprobs = walk_sampled(hot[si], None if lead else vals[si, 0], temps, u)
+                tok = ids[si, lead:].gather(2, sidx[:, lead:].unsqueeze(2)).squeeze(2)
+                # q of each drawn slot over the vocabulary, zero off the shortlist (its ids are distinct)
+                q = torch.zeros(len(si), k, V).scatter_(2, ids[si, lead:], sprobs[:, lead:])
+            tokens[si] = tok
+            probs = F.one_hot(tokens, V).float()  # greedy rows: one-hot q
+            probs[si] = q
         return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)

@@ -47,6 +47,8 @@ class DrafterSection(_Section):
     use_hidden: bool = True
     use_pair_context: bool = True
     sampled_walk: bool = False  # inference default at T > 0: sampled walk (q = softmax(S / T)) instead of one-hot
+    vocab_walk: bool = False  # ... drawn from the whole draft vocabulary, the shortlist rescored (extension)
+    sampled_head: bool = False  # a second output of Delta for the T > 0 walks, trained by the L1 term (extension)
     anchor_pair: bool = False  # extension: also correct the first draft slot, with the anchor as predecessor
     train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
     # DSpark Markov and confidence heads (method: dspark; see drafters/dspark.py)
@@ -84,6 +86,9 @@ class OptimSection(_Section):
     grad_clip: float = 1.0
     loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)
     corrector_weight: float = 1.0
+    # DCOCO: + corrector_l1_weight * ||softmax(S_p(a*, .)) - p_target||_1 over the K candidates (the
+    # sampled walk's T=1 acceptance; needs the target's last layer in the data, as DSpark)
+    corrector_l1_weight: float = 0.0
     seed: int = 0
     autocast_bf16: bool = True
     threads: Optional[int] = None

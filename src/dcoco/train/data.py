@@ -125,9 +125,12 @@ class RegeneratedData:
 
 class RegeneratedUnion:
     """Several regenerated-data directories read as one training set: e.g. two regeneration
-    processes run side by side on disjoint prompt lists (one per CPU core). They must come from the
-    same target, taps and sampling settings (with or without stored features); a sample id present
-    twice is read once."""
+    processes run side by side on disjoint prompt lists (one per CPU core), or the target's answers
+    to the same prompts at another temperature. They must come from the same target, taps and
+    dtype (with or without stored features); a sample id present twice under the same sampling
+    settings is read once."""
+
+    MUST_MATCH = ("target_vocab_size", "target_hidden_size", "target_num_layers", "taps", "tap_convention", "dtype")
 
     def __init__(self, roots: str | Path | Sequence[str | Path]):
         roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
@@ -141,7 +144,7 @@ class RegeneratedUnion:
         first = self.parts[0].manifest
         for part in self.parts[1:]:
             other = part.manifest
-            diff = sorted(k for k in set(first) | set(other) if k not in ("source", "features") and first.get(k) != other.get(k))
+            diff = [k for k in self.MUST_MATCH if first.get(k) != other.get(k)]
             if diff:
                 raise ConfigError(f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together")
         return first
@@ -153,9 +156,11 @@ class RegeneratedUnion:
     def samples(self) -> list[dict]:
         seen, out = set(), []
         for i, part in enumerate(self.parts):
+            m = part.manifest
             for s in part.samples():
-                if s["id"] not in seen:
-                    seen.add(s["id"])
+                key = (s["id"], m.get("temperature"), m.get("top_p"))
+                if key not in seen:
+                    seen.add(key)
                     out.append(dict(s, part=i))
         return out
 

@@ -46,6 +46,16 @@ class TargetHead:
         w = self.lm_head.weight if rows is None else self.lm_head.weight[rows]
         return F.linear(x, w).float()
 
+    def next_token_probs(self, b: Batch, split: int, P: int) -> torch.Tensor:
+        """p_target (S, A, P, V) at temperature 1 of x_{a+1+j} (j < P) for every anchor a of `b`: from
+        the last-layer feature of token a + j (the feature columns from `split` on)."""
+        S, A = b.anchors.shape
+        T = b.feats.shape[1]
+        last = b.feats[..., split:]
+        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P, 1)
+        h = last.gather(1, idx.expand(-1, -1, last.shape[-1])).view(S, A, P, -1)
+        return torch.softmax(self.logits(h), dim=-1)
+
 
 def attach_target_head(trainer) -> int:
     """Select the last layer's feature columns after the drafter's taps; returns the number of
@@ -101,15 +111,6 @@ class DSparkLoss(DrafterLoss):
         anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
         return make_batch(samples, feats, anchors, self.model.max_draft + 1)
 
-    def target_probs(self, b: Batch, P: int) -> torch.Tensor:
-        """p_target (S, A, P, V) of label x_{a+1+j}: from the last-layer feature of token a + j."""
-        S, A = b.anchors.shape
-        T = b.feats.shape[1]
-        last = b.feats[..., self.split:]
-        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P, 1)
-        h = last.gather(1, idx.expand(-1, -1, last.shape[-1])).view(S, A, P, -1)
-        return torch.softmax(self.head.logits(h), dim=-1)
-
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         model: DSparkModel = self.model
         h = self.hidden(Batch(b.ids, b.feats[..., : self.split], b.anchors, b.labels))  # (S, A, B, H)
@@ -126,7 +127,7 @@ class DSparkLoss(DrafterLoss):
         wsum = w.sum().clamp_min(1e-6)
         logq = torch.log_softmax(z, dim=-1)
         ce = -logq.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        pt = self.target_probs(b, P)
+        pt = self.head.next_token_probs(b, self.split, P)
         l1 = (logq.exp() - pt).abs().sum(-1)
         accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
         ce_l, l1_l = (ce * w).sum() / wsum, (l1 * w).sum() / wsum

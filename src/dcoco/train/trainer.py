@@ -154,13 +154,29 @@ class DCOCOLoss(DrafterLoss):
     """DFlash loss plus the corrector's: cross-entropy over the K candidates of S_p(a*, .) towards
     the target's next token b*, with the target's own previous token a* as predecessor (teacher
     forcing). Pairs whose target token is missing from either shortlist are excluded; pair p is
-    weighted exp(-p/gamma), since an early rejection wastes more of the block."""
+    weighted exp(-p/gamma), since an early rejection wastes more of the block.
 
-    def __init__(self, model, embed, lm_head, gamma: float, corrector_weight: float):
+    With `l1_weight` > 0 (and `head`, the target's final norm and LM head on the last-layer feature
+    columns from `split` on) the corrector also matches the target's T=1 distribution:
+    l1_weight * ||q - p_target||_1 over the pairs that reach the first `num_speculative_tokens`
+    slots, q the distribution the T > 0 walk draws the slot from given a* (`distribution_loss`).
+    The walk's acceptance there is sum min(q, p_target) = 1 - ||q - p_target||_1 / 2 (over the
+    vocabulary; over the shortlist the target's mass off it is lost either way), so the term
+    trains exactly what T > 0 verification accepts; cross-entropy alone sharpens q on the greedy
+    token. It needs a predecessor in the shortlist, not the target token."""
+
+    def __init__(self, model, embed, lm_head, gamma: float, corrector_weight: float, l1_weight: float = 0.0,
+                 head=None, split: Optional[int] = None):
         super().__init__(model, embed, lm_head, gamma)
-        self.corrector_weight = corrector_weight
+        self.corrector_weight, self.l1_weight = corrector_weight, l1_weight
+        self.head, self.split = head, split
+        if l1_weight > 0 and head is None:
+            raise ValueError("the corrector's L1 term needs the target head and the last-layer features")
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        full = b
+        if self.split is not None:  # the last layer's columns feed p_target, not the drafter
+            b = Batch(b.ids, b.feats[..., : self.split], b.anchors, b.labels)
         h = self.hidden(b)
         logits = self.lm_head(h[:, :, 1:])
         base = self.loss_from_logits(logits, b.labels)
@@ -171,21 +187,31 @@ class DCOCOLoss(DrafterLoss):
             anchor = b.ids.gather(1, b.anchors.clamp(min=0)).reshape(-1)
             anchor_hidden = h[:, :, 0].reshape(S * A, -1)
             labels = torch.cat([torch.where(labels[:, :1] != -100, anchor.view(-1, 1), -100), labels], dim=1)
-        ids, vals, scores = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
-                                                   self.embed, anchor=anchor, anchor_hidden=anchor_hidden)
-        corr, m = self.corrector_loss(ids, scores, labels)
+        ids, vals, (scores, hot) = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
+                                                          self.embed, anchor=anchor, anchor_hidden=anchor_hidden, sampled=None)
+        corr, pred, valid_from, m = self.corrector_loss(ids, scores, labels)
+        if self.l1_weight > 0:  # on the T > 0 walks' scores (the same as the greedy ones without a sampled head)
+            n = min(P, self.model.cfg.num_speculative_tokens or P)
+            pt = self.head.next_token_probs(full, self.split, n).reshape(S * A, n, -1)
+            l1, m["t1_accept_est"] = self.distribution_loss(ids, rows_at(hot, pred), labels, valid_from, pt,
+                                                            logits.reshape(S * A, P, V))
+            m["corrector_l1"] = l1.item()
+            corr = corr + self.l1_weight * l1
         m["dflash_loss"] = base.item()
-        return base + self.corrector_weight * corr, {"hidden": h, "logits": logits, "ids": ids, "scores": scores, "metrics": m}
+        return base + self.corrector_weight * corr, {"hidden": h, "logits": logits, "ids": ids, "scores": scores,
+                                                     "sampled_scores": hot, "metrics": m}
 
     def corrector_loss(self, ids: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor):
+        """Cross-entropy of S_p(a*, .) towards b*; also returns a*'s shortlist index (n, P-1) and
+        whether it is shortlisted (n, P-1), for the distribution term."""
         hit = ids == labels.unsqueeze(-1)  # (n, P, K)
         present = hit.any(-1) & (labels != -100)
         where = hit.float().argmax(-1)  # shortlist index of the target token (0 if absent)
         a, b = where[:, :-1], where[:, 1:]
         valid = present[:, :-1] & present[:, 1:]
-        rows = scores.gather(2, a.view(*a.shape, 1, 1).expand(-1, -1, 1, scores.shape[-1])).squeeze(2)  # S_p(a*, .)
+        rows = rows_at(scores, a)  # S_p(a*, .)
         ce = F.cross_entropy(rows.reshape(-1, rows.shape[-1]).float(), b.reshape(-1), reduction="none").view(b.shape)
-        w = torch.exp(-torch.arange(b.shape[1], dtype=torch.float32) / self.gamma).view(1, -1) * valid
+        w = self.pair_weights(b.shape[1]) * valid
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
         lead = self.model.lead  # the anchor row of anchor_pair is always present: not a recall
         labelled = labels[:, lead:] != -100
@@ -194,7 +220,33 @@ class DCOCOLoss(DrafterLoss):
             "selector_acc": ((rows.argmax(-1) == b) & valid).sum().item() / max(1, int(valid.sum())),
             "corrector_loss": loss.item(),
         }
-        return loss, m
+        return loss, a, present[:, :-1], m
+
+    def pair_weights(self, pairs: int) -> torch.Tensor:
+        return torch.exp(-torch.arange(pairs, dtype=torch.float32) / self.gamma).view(1, -1)
+
+    def distribution_loss(self, ids: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, pred_present: torch.Tensor,
+                          pt: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Weighted ||q - p_target||_1 over the pairs whose destination slot has p_target (pt (n, m, V)
+        for slots 1..m), and the mean expected T=1 acceptance sum min(q, p). q is what the configured
+        T > 0 walk draws from: softmax(S_p(a*, .)) over the K candidates, or with `vocab_walk` the
+        drafter's softmax over the draft vocabulary (`logits` (n, P, V)) with those K rescored."""
+        first = 1 - self.model.lead  # pair p ends at slot p + 1 + first, i.e. pt index p + first
+        pairs = pt.shape[1] - first
+        dest = ids[:, 1 : 1 + pairs]  # candidates of each pair's destination
+        rows = rows[:, :pairs].float()
+        if self.model.dcfg.vocab_walk:
+            full = logits[:, first : first + pairs].float()
+            if self.model.draft_ids is not None:
+                full = torch.full_like(full, float("-inf")).index_copy(2, self.model.draft_ids, full.index_select(2, self.model.draft_ids))
+            q, p = torch.softmax(full.scatter(2, dest, rows), -1), pt[:, first:]
+        else:
+            q, p = torch.softmax(rows, -1), pt[:, first:].gather(2, dest)  # (n, pairs, K)
+        valid = pred_present[:, :pairs] & (labels[:, 1 : 1 + pairs] != -100)
+        l1 = (q - p).abs().sum(-1)
+        w = self.pair_weights(pairs) * valid
+        accept = (torch.minimum(q, p).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
+        return (l1 * w).sum() / w.sum().clamp_min(1e-6), accept.item()
 
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
         from ..drafters.dcoco import walk_greedy
@@ -211,6 +263,11 @@ class DCOCOLoss(DrafterLoss):
         tau_o, _ = acceptance_from_predictions(oracle, labels)
         return {"eval_tau": tau_c, "eval_per_position": pp, "eval_tau_dflash": tau_d, "eval_tau_oracle": tau_o,
                 **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
+
+
+def rows_at(scores: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """S_p(a_p, .) (n, P-1, K) of transition scores (n, P-1, K, K) at predecessor indices a (n, P-1)."""
+    return scores.gather(2, a.view(*a.shape, 1, 1).expand(-1, -1, 1, scores.shape[-1])).squeeze(2)
 
 
 def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[float]]:
@@ -259,10 +316,17 @@ def build_block_model(method: str, d, target) -> DFlashModel:
     if method == "dcoco" and not isinstance(model, DCOCOModel):
         dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
                            use_hidden=d.use_hidden, use_pair_context=d.use_pair_context, sampled_walk=d.sampled_walk,
-                           anchor_pair=d.anchor_pair)
+                           vocab_walk=d.vocab_walk, anchor_pair=d.anchor_pair, sampled_head=d.sampled_head)
         backbone = model
         model = DCOCOModel(mcfg, dcfg)
         model.load_state_dict(backbone.state_dict(), strict=False)
+    elif method == "dcoco":  # a trained corrector: its shape comes with it, the inference defaults from the config
+        dcfg = model.dcfg.model_copy(update={"sampled_walk": d.sampled_walk, "vocab_walk": d.vocab_walk,
+                                             "sampled_head": model.dcfg.sampled_head or d.sampled_head})
+        trained = model
+        model = DCOCOModel(mcfg, dcfg)  # a sampled head added here starts at zero
+        missing, _ = model.load_state_dict(trained.state_dict(), strict=False)
+        assert set(missing) <= {"corrector.out_sampled.weight", "corrector.out_sampled.bias"}, missing
     if method == "dspark":
         from .dspark import dspark_from_backbone
 
@@ -354,7 +418,13 @@ class Trainer:
 
             return build_dspark_loss(self) if self.cfg.method == "dspark" else build_eagle3_loss(self)
         if self.cfg.method == "dcoco":
-            return DCOCOLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma, o.corrector_weight)
+            head = split = None
+            if o.corrector_l1_weight > 0:  # p_target from the last layer's features (as DSpark's)
+                from .dspark import TargetHead, attach_target_head
+
+                split, head = attach_target_head(self), TargetHead(self.target)
+            return DCOCOLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma, o.corrector_weight,
+                             o.corrector_l1_weight, head, split)
         return DrafterLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma)
 
     def export(self, path: Path) -> None:
