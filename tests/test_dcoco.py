@@ -293,18 +293,27 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
         DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5)
 
 
-@pytest.mark.parametrize("anchor_pair", [False, True])
-def test_vocab_walk_starts_as_dflash_sampling(anchor_pair):
+@pytest.mark.parametrize("anchor_pair,draft_vocab", [(False, False), (True, False), (True, True)])
+def test_vocab_walk_starts_as_dflash_sampling(anchor_pair, draft_vocab):
     """The vocabulary walk with a zero corrector draws DFlash's tokens from DFlash's q (same request
-    generators); a trained corrector moves q only on the shortlist of a slot whose predecessor was
-    drawn from its own shortlist."""
+    generators), with or without a draft vocabulary; a trained corrector moves q only on the
+    shortlist of a slot whose predecessor was drawn from its own shortlist."""
     target = tiny()
     params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams()]
-    plain = BlockDrafter(dcoco_model(target), target).propose(_draft_input(target, params=params))
-    zero = DCOCODrafter(dcoco_model(target, anchor_pair=anchor_pair), target).configure(walk="vocab")
+    vocab = torch.arange(0, target.vocab_size, 2)
+
+    def make(**kw):
+        m = dcoco_model(target, **kw)
+        if draft_vocab:
+            m.set_draft_vocab(vocab)
+        return m
+
+    plain = BlockDrafter(make(), target).propose(_draft_input(target, params=params))
+    zero = DCOCODrafter(make(anchor_pair=anchor_pair), target).configure(walk="vocab")
     out = zero.propose(_draft_input(target, params=params))
     assert torch.equal(out.tokens, plain.tokens) and torch.allclose(out.probs, plain.probs)
-    model = dcoco_model(target, randomize=True, anchor_pair=anchor_pair, sampled_head=True)
+    assert not draft_vocab or (torch.isin(out.tokens, vocab).all() and out.probs[..., 1::2].sum() == 0)
+    model = make(randomize=True, anchor_pair=anchor_pair, sampled_head=True)
     d = DCOCODrafter(model, target).configure(walk="vocab")  # a zero sampled head: DFlash's sampling, greedy rows corrected
     mixed = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0)]
     out = d.propose(_draft_input(target, params=mixed))

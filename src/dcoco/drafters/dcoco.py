@@ -180,10 +180,9 @@ def walk_vocab(scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, le
     for j in range(k):
         w = j + lead  # walk position of slot j
         row = logits[:, j].float()
-        if w > 0 and listed.any():
-            row = row.clone()
-            fix = listed.nonzero().squeeze(1)
-            row[fix] = row[fix].scatter(1, ids[fix, w], scores[fix, w - 1, prev[fix]].float())
+        if w > 0:
+            fixed = row.scatter(1, ids[:, w], scores[rows, w - 1, prev].float())
+            row = torch.where(listed.unsqueeze(1), fixed, row)
         for b, sp in enumerate(params):
             probs[b, j] = probabilities(row[b], sp.temperature, sp.top_k, sp.top_p)
         tokens[:, j] = sample_from(probs[:, j], uniforms[:, j])
@@ -236,6 +235,7 @@ class DCOCODrafter(BlockDrafter):
         self.top_k = model.dcfg.top_k
         self.walk = "vocab" if model.dcfg.vocab_walk else "sampled" if model.dcfg.sampled_walk else "onehot"
         self.correct_seconds = 0.0  # wall time spent in shortlist + pair scores + walk (overhead accounting)
+        self.vocab_pos: Optional[torch.Tensor] = None
 
     def configure(self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None) -> "DCOCODrafter":
         """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled' | 'vocab')."""
@@ -256,6 +256,19 @@ class DCOCODrafter(BlockDrafter):
         self.correct_seconds += time.perf_counter() - t0
         return out
 
+    def _vocab_walk(self, scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, params, u: torch.Tensor):
+        """`walk_vocab`, over the draft vocabulary's columns only when there is one (q is zero
+        elsewhere; the sampling work shrinks with the vocabulary)."""
+        vocab = self.model.draft_ids
+        if vocab is None:
+            return walk_vocab(scores, ids, logits, self.model.lead, params, u)
+        if self.vocab_pos is None:  # token id -> column of the draft vocabulary (shortlists lie within it)
+            self.vocab_pos = torch.zeros(logits.shape[-1], dtype=torch.long).index_copy_(0, vocab, torch.arange(len(vocab)))
+        N, k, V = logits.shape
+        sub = logits.reshape(N * k, V).index_select(1, vocab).view(N, k, -1)  # 2-D: ~15x faster on CPU than dim 2
+        tok, q = walk_vocab(scores, self.vocab_pos[ids], sub, self.model.lead, params, u)
+        return vocab[tok], q.new_zeros(N, k, V).scatter_(2, vocab.view(1, 1, -1).expand(N, k, -1), q)
+
     def _corrected(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
                    anchor_hidden: Optional[torch.Tensor]) -> DraftOutput:
         N, k, V = logits.shape
@@ -273,7 +286,7 @@ class DCOCODrafter(BlockDrafter):
             si = (~greedy).nonzero().squeeze(1)
             u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
             if self.walk == "vocab":
-                tok, q = walk_vocab(hot[si], ids[si], logits[si], lead, [inp.params[b] for b in si.tolist()], u)
+                tok, q = self._vocab_walk(hot[si], ids[si], logits[si], [inp.params[b] for b in si.tolist()], u)
             else:
                 temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
                 sidx, sprobs = walk_sampled(hot[si], None if lead else vals[si, 0], temps, u)
