@@ -12,21 +12,10 @@ from typing import Optional, Sequence
 
 from .errors import DcocoError, InvalidPromptError
 
-DEMO_PROMPT = (
-    "Add type hints and a docstring to this Python function, and return the whole function:\n\n"
-    "def moving_average(values, window):\n"
-    "    if window <= 0:\n"
-    "        raise ValueError('window must be positive')\n"
-    "    out = []\n"
-    "    total = 0\n"
-    "    for i, v in enumerate(values):\n"
-    "        total += v\n"
-    "        if i >= window:\n"
-    "            total -= values[i - window]\n"
-    "        if i >= window - 1:\n"
-    "            out.append(total / window)\n"
-    "    return out\n"
-)
+# MT-Bench question 81, turn 1 (the benchmark's first prompt). The earlier code prompt sent the
+# 135M model into a repetition loop, which showed more about the model than about drafting.
+DEMO_PROMPT = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+               "and must-see attractions.")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
