@@ -325,8 +325,9 @@ def build_block_model(method: str, d, target) -> DFlashModel:
                                              "sampled_head": model.dcfg.sampled_head or d.sampled_head})
         trained = model
         model = DCOCOModel(mcfg, dcfg)  # a sampled head added here starts at zero
-        missing, _ = model.load_state_dict(trained.state_dict(), strict=False)
-        assert set(missing) <= {"corrector.out_sampled.weight", "corrector.out_sampled.bias"}, missing
+        missing, unexpected = model.load_state_dict(trained.state_dict(), strict=False)
+        if set(missing) - {"corrector.out_sampled.weight", "corrector.out_sampled.bias"} or unexpected:
+            raise ConfigError(f"{d.init_from}: its weights do not fit its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     if method == "dspark":
         from .dspark import dspark_from_backbone
 
