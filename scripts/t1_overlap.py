@@ -5,9 +5,14 @@ being the data token (blocks where it is shortlisted). For DCOCO, q is that of b
 over the shortlist (softmax of S over the K candidates) and over the draft vocabulary (DFlash's
 softmax with the K candidates rescored, `vocab_walk`), from the T > 0 scores (the sampled head's
 when the checkpoint has one); DFlash's q is the same backbone's softmax.
-Greedy first-slot hit rates are printed too.
+Greedy first-slot hit rates are printed too, and the checkpoint's simulated greedy τ on the config's
+held-out samples as `dcoco train` logs it (with and without correction). A DFlash checkpoint gets a
+zero corrector, so its DCOCO rows are DFlash's own.
 
-  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR]
+  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR] [--dtype D]
+
+The target runs in float32 unless --dtype says otherwise (`dcoco train` evaluates in the config's
+dtype, bfloat16 for the shipped recipes: --dtype bfloat16 reproduces its held-out τ).
 
 --data evaluates every sample of another regenerated set (e.g. the target's own T=1 answers,
 `dcoco data regenerate --temperature 1`) instead of the config's held-out samples.
@@ -21,7 +26,6 @@ import tempfile
 import torch
 
 from dcoco.drafters.dcoco import walk_greedy
-from dcoco.drafters.dflash import load_dflash
 from dcoco.target import Target
 from dcoco.train.config import load_config
 from dcoco.train.data import RegeneratedUnion
@@ -37,20 +41,20 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml", help="training config (data, held-out split)")
     ap.add_argument("--data", help="evaluate all samples of this regenerated data directory instead")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's dtype")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    target = Target.from_pretrained(None, dtype="float32")
-    cfg = load_config(args.config, [f"run.out={tempfile.mkdtemp()}"])
-    tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
+    target = Target.from_pretrained(None, dtype=args.dtype)
+    cfg = load_config(args.config, [f"run.out={tempfile.mkdtemp()}", f"drafter.init_from={args.checkpoint}"])
+    tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))  # its model is the checkpoint (float32)
+    ev = tr.evaluate()
+    print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}; {len(tr.eval_samples)} samples)")
     if args.data:
         tr.data = RegeneratedUnion(args.data)
         tr.eval_samples = [s for s in tr.data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
-    model, _ = load_dflash(args.checkpoint)
-    model = model.float().eval()
-    tr.loss.model = model
+    model = tr.model.eval()
     H, V = target.hidden_size, target.vocab_size
-    allowed = torch.zeros(V) if model.draft_ids is None else torch.full((V,), float("-inf")).index_fill_(0, model.draft_ids, 0.0)
-    lead = getattr(model, "lead", None)
+    lead = model.lead
     names = ("dflash", "dcoco shortlist", "dcoco vocab")
     rows: dict[str, list[float]] = {f"{s} {n}": [] for s in ("slot1", "slot2|1") for n in names}
     rows.update({"greedy slot1 dflash": [], "greedy slot1 dcoco": []})
@@ -61,7 +65,7 @@ def main() -> None:
             b = tr._batch(samples, 32, gen)
             h = tr.loss.hidden(b)
             hs = h[:, :, 1:5]
-            logits = tr.lm_head(hs).float() + allowed
+            logits = model.restrict_to_draft_vocab(tr.lm_head(hs).float())
             for s, smp in enumerate(samples):
                 feats = target.model.model.norm(tr.data.features(smp)[:, -H:].float())  # last layer, normed
                 p_all = torch.softmax(tr.lm_head(feats).float(), -1)  # p_all[t] predicts token t + 1
@@ -73,11 +77,9 @@ def main() -> None:
                     l1, l2 = logits[s, a, 0], logits[s, a, 1]
                     rows["slot1 dflash"].append(overlap(p_all[anc], torch.softmax(l1, -1)))
                     rows["greedy slot1 dflash"].append(float(l1.argmax().item() == x[anc + 1]))
-                    if lead is None:
-                        continue
-                    ids, vals, (greedy, sc) = model.pair_scores(  # the walks' scores: greedy and T > 0 (sampled head)
+                    ids, vals, greedy, sc = model.pair_scores(  # the walks' scores: greedy and T > 0 (sampled head)
                         hs[s, a].unsqueeze(0), logits[s, a].unsqueeze(0), tr.embed, anchor=torch.tensor([x[anc]]),
-                        anchor_hidden=h[s, a, 0].unsqueeze(0), sampled=None)
+                        anchor_hidden=h[s, a, 0].unsqueeze(0))
                     ids = ids[0]
                     first = sc[0, 0, 0] if lead else vals[0, 0]
                     rows["slot1 dcoco shortlist"].append(overlap(p_all[anc], shortlist_q(ids[lead], first, V)))

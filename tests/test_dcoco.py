@@ -59,7 +59,8 @@ def test_pair_scores_match_slow_reference():
     torch.nn.init.normal_(corr.w_a.bias)
     N, P, K, H = 2, 4, 3, target.hidden_size
     emb, hid, logits = torch.randn(N, P, K, H), torch.randn(N, P, H), torch.randn(N, P, K)
-    fast = corr(emb, hid, logits)
+    fast, same = corr(emb, hid, logits)
+    assert same is fast  # no sampled head: the T > 0 walks use the greedy scores
     z = corr.candidates(emb, hid)
     # one concatenated first layer, applied pair by pair
     W = torch.cat([corr.w_a.weight, corr.w_b.weight, corr.w_ab.weight, corr.w_s.weight, corr.w_l.weight], dim=1)
@@ -186,7 +187,7 @@ def test_anchor_pair_starts_as_dflash_and_corrects_the_first_slot():
     model = dcoco_model(target, randomize=True, anchor_pair=True)
     hid, logits = torch.randn(3, 5, target.hidden_size), torch.randn(3, 5, target.vocab_size)
     anchor = torch.tensor([7, 8, 9])
-    ids, vals, scores = model.pair_scores(hid, logits, target.model.get_input_embeddings(), anchor=anchor,
+    ids, vals, scores, _ = model.pair_scores(hid, logits, target.model.get_input_embeddings(), anchor=anchor,
                                           anchor_hidden=torch.randn(3, target.hidden_size))
     assert ids.shape == (3, 6, 4) and scores.shape == (3, 5, 4, 4) and (ids[:, 0] == anchor.view(3, 1)).all()
     with pytest.raises(ValueError, match="anchor"):

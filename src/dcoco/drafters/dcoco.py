@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from ..nn.layers import RMSNorm
-from ..sampling import probabilities
-from ..verify import draw_uniforms, sample_from
+from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel, shortlist
 
@@ -99,12 +98,12 @@ class Corrector(nn.Module):
             hh = torch.zeros_like(hh)
         return F.silu(self.fuse(torch.cat([e, hh], dim=-1)))
 
-    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor, sampled: Optional[bool] = False):
-        """Transition scores S (N, P-1, K, K): S[:, p, a, b] = l_{p+1}(b) + Delta(a, b).
+    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transition scores S (N, P-1, K, K): S[:, p, a, b] = l_{p+1}(b) + Delta(a, b), for the greedy
+        walk and for the T > 0 walks (the same tensor without a `sampled_head`), from one pass.
 
         emb: (N, P, K, H) candidate embeddings; hid: (N, P, H) drafter hidden states;
-        logits: (N, P, K) the drafter's logits of the candidates. `sampled`: the T > 0 walks' scores
-        (the greedy ones without a `sampled_head`); None: both, as a (greedy, sampled) pair from one pass."""
+        logits: (N, P, K) the drafter's logits of the candidates."""
         z = self.candidates(emb, hid)
         za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
         x = self.w_a(za).unsqueeze(3) + self.w_b(zb).unsqueeze(2)  # (N, P-1, K, K, h)
@@ -121,11 +120,8 @@ class Corrector(nn.Module):
              lsa.unsqueeze(3).expand(-1, -1, K, K), lsb.unsqueeze(2).expand(-1, -1, K, K)], dim=-1)
         x = F.silu(x + self.w_l(feats.to(x.dtype)))
         base = lb.unsqueeze(2)
-        greedy = None if sampled and self.out_sampled is not None else base + self.out(x).squeeze(-1)
-        if sampled is False or self.out_sampled is None:
-            return greedy if sampled is not None else (greedy, greedy)
-        hot = base + self.out_sampled(x).squeeze(-1)
-        return hot if sampled else (greedy, hot)
+        greedy = base + self.out(x).squeeze(-1)
+        return greedy, greedy if self.out_sampled is None else base + self.out_sampled(x).squeeze(-1)
 
 
 def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
@@ -183,8 +179,7 @@ def walk_vocab(scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, le
         if w > 0:
             fixed = row.scatter(1, ids[:, w], scores[rows, w - 1, prev].float())
             row = torch.where(listed.unsqueeze(1), fixed, row)
-        for b, sp in enumerate(params):
-            probs[b, j] = probabilities(row[b], sp.temperature, sp.top_k, sp.top_p)
+        probs[:, j] = target_probs(row.unsqueeze(1), params).squeeze(1)
         tokens[:, j] = sample_from(probs[:, j], uniforms[:, j])
         hit = ids[rows, w] == tokens[:, j : j + 1]
         listed, prev = hit.any(-1), hit.float().argmax(-1)
@@ -206,14 +201,12 @@ class DCOCOModel(DFlashModel):
         return int(self.dcfg.anchor_pair)
 
     def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None,
-                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None,
-                    sampled: Optional[bool] = False):
+                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None):
         """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
-        Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), scores (N, L+P-1, K, K)) over
-        the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
+        Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), greedy scores and T > 0
+        scores (N, L+P-1, K, K)) over the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
         inference-time ablation). With `anchor_pair` (L = 1) position 0 is the anchor: `anchor` (N,)
-        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot).
-        `sampled` picks the scores as `Corrector.forward` does (None: a (greedy, sampled) pair)."""
+        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot)."""
         vals, ids = shortlist(logits, top_k or self.dcfg.top_k, self.draft_ids)
         if self.lead:
             if anchor is None or anchor_hidden is None:
@@ -223,7 +216,7 @@ class DCOCOModel(DFlashModel):
             hidden = torch.cat([anchor_hidden.unsqueeze(1).to(hidden.dtype), hidden], dim=1)
         with torch.no_grad():
             emb = embed(ids)
-        return ids, vals, self.corrector(emb.to(hidden.dtype), hidden, vals, sampled)
+        return ids, vals, *self.corrector(emb.to(hidden.dtype), hidden, vals)
 
 
 class DCOCODrafter(BlockDrafter):
@@ -235,7 +228,9 @@ class DCOCODrafter(BlockDrafter):
         self.top_k = model.dcfg.top_k
         self.walk = "vocab" if model.dcfg.vocab_walk else "sampled" if model.dcfg.sampled_walk else "onehot"
         self.correct_seconds = 0.0  # wall time spent in shortlist + pair scores + walk (overhead accounting)
-        self.vocab_pos: Optional[torch.Tensor] = None
+        vocab = model.draft_ids  # token id -> its column of the draft vocabulary (shortlists lie within it)
+        self.vocab_pos = None if vocab is None else torch.zeros(model.cfg.vocab_size, dtype=torch.long, device=vocab.device).index_copy_(
+            0, vocab, torch.arange(len(vocab), device=vocab.device))
 
     def configure(self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None) -> "DCOCODrafter":
         """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled' | 'vocab')."""
@@ -262,8 +257,6 @@ class DCOCODrafter(BlockDrafter):
         vocab = self.model.draft_ids
         if vocab is None:
             return walk_vocab(scores, ids, logits, self.model.lead, params, u)
-        if self.vocab_pos is None:  # token id -> column of the draft vocabulary (shortlists lie within it)
-            self.vocab_pos = torch.zeros(logits.shape[-1], dtype=torch.long).index_copy_(0, vocab, torch.arange(len(vocab)))
         N, k, V = logits.shape
         sub = logits.reshape(N * k, V).index_select(1, vocab).view(N, k, -1)  # 2-D: ~15x faster on CPU than dim 2
         tok, q = walk_vocab(scores, self.vocab_pos[ids], sub, self.model.lead, params, u)
@@ -276,9 +269,7 @@ class DCOCODrafter(BlockDrafter):
         anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
         greedy = torch.tensor([sp.greedy for sp in inp.params])
         sampled = self.walk != "onehot" and not greedy.all()
-        heads = None if sampled and greedy.any() else sampled  # the scores each row's walk needs
-        ids, vals, scores = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden, heads)
-        scores, hot = scores if heads is None else (scores, scores)
+        ids, vals, scores, hot = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden)
         pick = walk_greedy(scores) if not sampled or greedy.any() else torch.zeros(N, k + lead, dtype=torch.long)
         tokens = ids[:, lead:].gather(2, pick[:, lead:].unsqueeze(2)).squeeze(2)
         probs = None

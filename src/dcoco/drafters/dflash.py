@@ -202,6 +202,13 @@ class DFlashModel(nn.Module):
         self.cfg.draft_vocab_size = ids.numel()
         self.register_buffer("draft_ids", ids.to(self.fc.weight.device))
 
+    def restrict_to_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (..., V) with -inf off the draft vocabulary (unchanged without one)."""
+        if self.draft_ids is None:
+            return logits
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, self.draft_ids, True)
+        return logits.masked_fill(~keep, float("-inf"))
+
     @property
     def slot_offset(self) -> int:
         """Index of the block slot that predicts the token after the anchor (slot 0 holds the anchor)."""

@@ -86,8 +86,8 @@ class OptimSection(_Section):
     grad_clip: float = 1.0
     loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)
     corrector_weight: float = 1.0
-    # DCOCO: + corrector_l1_weight * ||softmax(S_p(a*, .)) - p_target||_1 over the K candidates (the
-    # sampled walk's T=1 acceptance; needs the target's last layer in the data, as DSpark)
+    # DCOCO: + corrector_l1_weight * ||q - p_target||_1, q the T > 0 walk's distribution given the target's
+    # previous token (its T=1 acceptance; needs the target's last layer in the data, as DSpark)
     corrector_l1_weight: float = 0.0
     seed: int = 0
     autocast_bf16: bool = True

@@ -187,8 +187,8 @@ class DCOCOLoss(DrafterLoss):
             anchor = b.ids.gather(1, b.anchors.clamp(min=0)).reshape(-1)
             anchor_hidden = h[:, :, 0].reshape(S * A, -1)
             labels = torch.cat([torch.where(labels[:, :1] != -100, anchor.view(-1, 1), -100), labels], dim=1)
-        ids, vals, (scores, hot) = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
-                                                          self.embed, anchor=anchor, anchor_hidden=anchor_hidden, sampled=None)
+        ids, vals, scores, hot = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
+                                                        self.embed, anchor=anchor, anchor_hidden=anchor_hidden)
         corr, pred, valid_from, m = self.corrector_loss(ids, scores, labels)
         if self.l1_weight > 0:  # on the T > 0 walks' scores (the same as the greedy ones without a sampled head)
             n = min(P, self.model.cfg.num_speculative_tokens or P)
@@ -223,7 +223,8 @@ class DCOCOLoss(DrafterLoss):
         return loss, a, present[:, :-1], m
 
     def pair_weights(self, pairs: int) -> torch.Tensor:
-        return torch.exp(-torch.arange(pairs, dtype=torch.float32) / self.gamma).view(1, -1)
+        """exp(-p / gamma) for pairs p = 0..pairs-1, as (1, pairs)."""
+        return position_weights(pairs + 1, self.gamma).view(1, -1)
 
     def distribution_loss(self, ids: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, pred_present: torch.Tensor,
                           pt: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -236,9 +237,7 @@ class DCOCOLoss(DrafterLoss):
         dest = ids[:, 1 : 1 + pairs]  # candidates of each pair's destination
         rows = rows[:, :pairs].float()
         if self.model.dcfg.vocab_walk:
-            full = logits[:, first : first + pairs].float()
-            if self.model.draft_ids is not None:
-                full = torch.full_like(full, float("-inf")).index_copy(2, self.model.draft_ids, full.index_select(2, self.model.draft_ids))
+            full = self.model.restrict_to_draft_vocab(logits[:, first : first + pairs].float())
             q, p = torch.softmax(full.scatter(2, dest, rows), -1), pt[:, first:]
         else:
             q, p = torch.softmax(rows, -1), pt[:, first:].gather(2, dest)  # (n, pairs, K)
