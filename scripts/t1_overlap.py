@@ -59,7 +59,7 @@ def main() -> None:
     rows: dict[str, list[float]] = {f"{s} {n}": [] for s in ("slot1", "slot2|1") for n in names}
     rows.update({"greedy slot1 dflash": [], "greedy slot1 dcoco": []})
     gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):  # features in the target's dtype
         for i in range(0, len(tr.eval_samples), 2):
             samples = [tr._truncate(s) for s in tr.eval_samples[i : i + 2]]
             b = tr._batch(samples, 32, gen)

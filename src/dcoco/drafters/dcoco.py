@@ -106,22 +106,24 @@ class Corrector(nn.Module):
         logits: (N, P, K) the drafter's logits of the candidates."""
         z = self.candidates(emb, hid)
         za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
-        x = self.w_a(za).unsqueeze(3) + self.w_b(zb).unsqueeze(2)  # (N, P-1, K, K, h)
-        x = x + self.w_ab(za.unsqueeze(3) * zb.unsqueeze(2))
+        # every term but W_ab (z_a * z_b) depends on one side only: sum it per side, broadcast once
+        lg = logits.float()
+        ls = lg - torch.logsumexp(lg, -1, keepdim=True)
+        wl = self.w_l.weight  # columns: l_a, l_b, log-softmax l_a, log-softmax l_b
+        side_a = self.w_a(za) + F.linear(torch.stack([lg[:, :-1], ls[:, :-1]], -1).to(za.dtype), wl[:, 0::2])
+        side_b = self.w_b(zb) + F.linear(torch.stack([lg[:, 1:], ls[:, 1:]], -1).to(zb.dtype), wl[:, 1::2])
         if self.cfg.use_pair_context:
             s = self.norm_pair(self.proj_pair(torch.cat([hid[:, :-1], hid[:, 1:]], dim=-1)))
-            x = x + self.w_s(s).unsqueeze(2).unsqueeze(3)
-        la, lb = logits[:, :-1].float(), logits[:, 1:].float()
-        lsa = la - torch.logsumexp(la, -1, keepdim=True)
-        lsb = lb - torch.logsumexp(lb, -1, keepdim=True)
-        K = la.shape[-1]
-        feats = torch.stack(
-            [la.unsqueeze(3).expand(-1, -1, K, K), lb.unsqueeze(2).expand(-1, -1, K, K),
-             lsa.unsqueeze(3).expand(-1, -1, K, K), lsb.unsqueeze(2).expand(-1, -1, K, K)], dim=-1)
-        x = F.silu(x + self.w_l(feats.to(x.dtype)))
-        base = lb.unsqueeze(2)
-        greedy = base + self.out(x).squeeze(-1)
-        return greedy, greedy if self.out_sampled is None else base + self.out_sampled(x).squeeze(-1)
+            side_a = side_a + self.w_s(s).unsqueeze(2)
+        x = self.w_ab(za.unsqueeze(3) * zb.unsqueeze(2))  # (N, P-1, K, K, h)
+        x = F.silu(x.add_(side_a.unsqueeze(3)).add_(side_b.unsqueeze(2)))
+        base = lg[:, 1:].unsqueeze(2)
+        if self.out_sampled is None:
+            greedy = base + self.out(x).squeeze(-1)
+            return greedy, greedy
+        heads = F.linear(x, torch.cat([self.out.weight, self.out_sampled.weight]),
+                         torch.cat([self.out.bias, self.out_sampled.bias]))  # both outputs in one pass
+        return base + heads[..., 0], base + heads[..., 1]
 
 
 def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
@@ -285,6 +287,9 @@ class DCOCODrafter(BlockDrafter):
                 # q of each drawn slot over the vocabulary, zero off the shortlist (its ids are distinct)
                 q = torch.zeros(len(si), k, V).scatter_(2, ids[si, lead:], sprobs[:, lead:])
             tokens[si] = tok
-            probs = F.one_hot(tokens, V).float()  # greedy rows: one-hot q
-            probs[si] = q
+            if len(si) == N:
+                probs = q
+            else:
+                probs = F.one_hot(tokens, V).float()  # greedy rows: one-hot q
+                probs[si] = q
         return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)

@@ -313,9 +313,8 @@ def build_block_model(method: str, d, target) -> DFlashModel:
         if d.init_from_target:
             init_from_target(model, target)
     if method == "dcoco" and not isinstance(model, DCOCOModel):
-        dcfg = DCOCOConfig(top_k=d.top_k, proj_dim=d.proj_dim, hidden=d.corrector_hidden, use_embedding=d.use_embedding,
-                           use_hidden=d.use_hidden, use_pair_context=d.use_pair_context, sampled_walk=d.sampled_walk,
-                           vocab_walk=d.vocab_walk, anchor_pair=d.anchor_pair, sampled_head=d.sampled_head)
+        # every corrector setting has a field of the same name in the drafter section (hidden: corrector_hidden)
+        dcfg = DCOCOConfig(**{f: getattr(d, "corrector_hidden" if f == "hidden" else f) for f in DCOCOConfig.model_fields})
         backbone = model
         model = DCOCOModel(mcfg, dcfg)
         model.load_state_dict(backbone.state_dict(), strict=False)
