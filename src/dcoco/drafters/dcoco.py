@@ -195,7 +195,6 @@ class DCOCOModel(DFlashModel):
         super().__init__(cfg)
         self.dcfg = dcfg
         self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps)
-        nn.init.zeros_(self.corrector.out.weight)  # DFlashModel.__init__'s init ran before it existed
 
     @property
     def lead(self) -> int:
