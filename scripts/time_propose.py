@@ -1,5 +1,7 @@
 """Wall time of one draft pass (`propose`) of each shipped drafter for one request with a 300-token
-context, bf16, one CPU thread: the drafter's share of a speculative step.
+context, bf16, one CPU thread, next to the target's verification pass of the same block: the
+drafter's share of a speculative step, and the corrector's marginal cost (a `dcoco` pass minus the
+`dflash` pass, both measured) as a share of a DCOCO step.
 
   python scripts/time_propose.py [--methods dflash,dcoco,dspark] [--drafter METHOD=DIR] [--temperature T]
 
@@ -29,6 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     paths = dict(d.split("=", 1) for d in args.drafter)
     target = Target.from_pretrained(None, dtype="bfloat16")
+    draft_ms = {}
     for method in args.methods.split(","):
         base, _ = split_label(method)
         d = load_drafter(SpeculativeConfig(method=base, model=paths.get(method), **variant_options(method)), target)
@@ -43,9 +46,27 @@ def main() -> None:
             t0 = time.perf_counter()
             for _ in range(args.repeats):
                 d.propose(step)
-        print(f"{method}: {(time.perf_counter() - t0) / args.repeats * 1e3:.1f} ms per draft pass "
-              f"({d.default_num_tokens} tokens)")
+        draft_ms[method] = (time.perf_counter() - t0) / args.repeats * 1e3
+        verify = verify_ms(target, d.default_num_tokens + 1, args.repeats)
+        print(f"{method}: {draft_ms[method]:.1f} ms per draft pass ({d.default_num_tokens} tokens), verification "
+              f"{verify:.1f} ms: draft share of a step {draft_ms[method] / (draft_ms[method] + verify):.1%}")
+        if split_label(method)[0] == "dcoco" and "dflash" in draft_ms:
+            extra = draft_ms[method] - draft_ms["dflash"]
+            print(f"{method}: corrector {extra:.1f} ms over dflash's pass, {extra / (draft_ms[method] + verify):.1%} of a step")
 
+
+def verify_ms(target: Target, width: int, repeats: int) -> float:
+    """One target forward of `width` tokens on a 301-token context, rolled back after each pass."""
+    kv, _ = target.prefill([list(range(1, 302))])
+    block, n = torch.ones(1, width, dtype=torch.long), torch.tensor([width])
+    for _ in range(3):
+        target.forward(kv, block, n)
+        kv.commit(torch.tensor([0]))
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        target.forward(kv, block, n)
+        kv.commit(torch.tensor([0]))
+    return (time.perf_counter() - t0) / repeats * 1e3
 
 if __name__ == "__main__":
     main()

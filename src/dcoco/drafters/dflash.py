@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import ModelNotFoundError
 from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
-from ..sampling import probabilities
-from ..verify import draw_uniforms, sample_from
+from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
 from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 
@@ -401,21 +401,42 @@ class BlockDrafter(Drafter):
         """DFlash picks each slot independently: argmax at T=0; at T>0 a sample from the request's
         own transformed distribution, reported as q. (`anchor_hidden`, the anchor slot's output, is
         for selectors that condition on the anchor.)"""
-        N, k, _ = logits.shape
+        N, k, V = logits.shape
         tokens = logits.argmax(-1)
-        probs = None
-        sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
-        if sampled:
-            probs = torch.zeros_like(logits)
-            for b in sampled:
-                sp = inp.params[b]
-                probs[b] = probabilities(logits[b], sp.temperature, sp.top_k, sp.top_p)
-            u = draw_uniforms([inp.generators[b] for b in sampled], k, logits.device)
-            tokens[sampled] = sample_from(probs[sampled], u)
-            for b in range(N):
-                if b not in sampled:
-                    probs[b].scatter_(1, tokens[b].unsqueeze(1), 1.0)  # greedy rows: one-hot q
-        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)
+        sampled = torch.tensor([not sp.greedy for sp in inp.params])
+        if not sampled.any():
+            return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long))
+        si = sampled.nonzero().squeeze(1)
+        q = target_probs(self.draft_columns(logits[si]), [inp.params[b] for b in si.tolist()])
+        u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
+        tok, q = self.full_columns(sample_from(q, u), q, V)
+        tokens[si] = tok
+        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=mixed_q(tokens, si, q, V))
+
+    def draft_columns(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> the draft vocabulary's columns (the rest are -inf): sampling over
+        them costs a sixth of the full vocabulary's."""
+        ids = self.model.draft_ids
+        if ids is None:
+            return logits
+        V = logits.shape[-1]
+        return logits.reshape(-1, V).index_select(1, ids).view(*logits.shape[:-1], -1)  # 2-D: ~15x faster on CPU
+
+    def full_columns(self, tokens: torch.Tensor, q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of `draft_columns` for sampled draft-vocabulary indices (N, k) and their q (N, k, V')."""
+        ids = self.model.draft_ids
+        if ids is None:
+            return tokens, q
+        return ids[tokens], q.new_zeros(*q.shape[:-1], V).index_copy_(q.dim() - 1, ids, q)
+
+
+def mixed_q(tokens: torch.Tensor, sampled: torch.Tensor, q: torch.Tensor, V: int) -> torch.Tensor:
+    """The draft q of a batch: `q` for the sampled rows, one-hot on the drafted token for greedy rows."""
+    if len(sampled) == tokens.shape[0]:
+        return q
+    probs = F.one_hot(tokens, V).float()
+    probs[sampled] = q
+    return probs
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
