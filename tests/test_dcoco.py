@@ -148,10 +148,7 @@ def test_inference_variants(tmp_path):
     assert model.pair_scores(hid, logits, target.model.get_input_embeddings(), k2.top_k)[2].shape == (3, 4, 2, 2)
     off = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_correct=False), target)
     plain = BlockDrafter(model, target).propose(_draft_input(target)).tokens
-    assert torch.equal(off.propose(_draft_input(target)).tokens, plain) and off.correct_seconds == 0
-    on = DCOCODrafter(model, target)
-    on.propose(_draft_input(target))
-    assert on.correct_seconds > 0
+    assert torch.equal(off.propose(_draft_input(target)).tokens, plain) and off.select_seconds > 0
     assert variant_options("dcoco/k16") == {"dcoco_top_k": 16} and variant_options("dcoco/nocorrect") == {"dcoco_correct": False}
     assert variant_options("dcoco/sampled") == {"dcoco_walk": "sampled"} and variant_options("dcoco/noemb") == {}
     assert variant_options("dcoco/vocab") == {"dcoco_walk": "vocab"}

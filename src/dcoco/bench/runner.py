@@ -53,7 +53,7 @@ ROW_KEYS = (
     "tokens_per_second", "speedup_vs_vanilla", "acceptance_length", "acceptance_rate",
     "per_position_acceptance", "greedy_match_rate", "device", "dtype", "threads", "git_commit",
 )
-OPTIONAL_ROW_KEYS = ("corrector_overhead",)  # DCOCO rows: share of the wall time spent correcting
+OPTIONAL_ROW_KEYS = ("select_share",)  # block drafters: share of the wall time spent choosing draft tokens
 KEY_FIELDS = ("method", "dataset", "temperature", "seed", "concurrency")
 WARMUP_TOKENS = 8
 
@@ -411,7 +411,7 @@ class BenchRunner:
                 engine = self._engine(spec.method, spec.concurrency)
                 if inner is not None:
                     engine.on_pass.append(lambda _r, _d, acc: inner.update(acc + 1))
-                corrector_s = getattr(engine.drafter, "correct_seconds", None)
+                select_s = getattr(engine.drafter, "select_seconds", None)
                 outs, stats = engine.generate(ids, self._params(spec, len(ids)), progress=False)
                 token_ids, wall, tokens = [o.token_ids for o in outs], stats.wall_s, stats.output_tokens
                 texts = [o.text for o in outs]
@@ -422,8 +422,8 @@ class BenchRunner:
                     acceptance_rate=round(stats.acceptance_rate, 4) if drafted else None,
                     per_position_acceptance=[round(x, 4) for x in stats.per_position_acceptance] if drafted else None,
                 )
-                if corrector_s is not None and wall > 0:  # DCOCO: share of the wall time spent correcting
-                    row["corrector_overhead"] = round((engine.drafter.correct_seconds - corrector_s) / wall, 5)
+                if select_s is not None and wall > 0:  # block drafters: share of the wall time choosing tokens
+                    row["select_share"] = round((engine.drafter.select_seconds - select_s) / wall, 5)
         finally:
             if inner is not None:
                 inner.close()

@@ -30,7 +30,6 @@ zero corrector samples exactly as DFlash does. Its scores must be trained on an 
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
@@ -228,7 +227,6 @@ class DCOCODrafter(BlockDrafter):
         self.correct = correct
         self.top_k = model.dcfg.top_k
         self.walk = "vocab" if model.dcfg.vocab_walk else "sampled" if model.dcfg.sampled_walk else "onehot"
-        self.correct_seconds = 0.0  # wall time spent in shortlist + pair scores + walk (overhead accounting)
         vocab = model.draft_ids  # token id -> its column of the draft vocabulary (shortlists lie within it)
         self.vocab_pos = None if vocab is None else torch.zeros(model.cfg.vocab_size, dtype=torch.long, device=vocab.device).index_copy_(
             0, vocab, torch.arange(len(vocab), device=vocab.device))
@@ -247,10 +245,7 @@ class DCOCODrafter(BlockDrafter):
         N, k, V = logits.shape
         if not self.correct or k + self.model.lead < 2:
             return super().select(hidden, logits, inp)
-        t0 = time.perf_counter()
-        out = self._corrected(hidden, logits, inp, anchor_hidden)
-        self.correct_seconds += time.perf_counter() - t0
-        return out
+        return self._corrected(hidden, logits, inp, anchor_hidden)
 
     def _vocab_walk(self, scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, params, u: torch.Tensor):
         """`walk_vocab` over the draft vocabulary's columns when there is one (q is zero elsewhere)."""

@@ -18,6 +18,7 @@ of decoder layer i, which is dcoco tap index i + 1 (`hidden_states[i + 1]`).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -313,6 +314,9 @@ class BlockDrafter(Drafter):
         self.dtype = next(model.parameters()).dtype
         self.ctx: dict[int, list[list[torch.Tensor]]] = {}  # request -> per layer [k, v] (1, h, T, d)
         self.ctx_len: dict[int, int] = {}
+        # wall time spent choosing tokens from the draft logits (argmax / sampling; DCOCO's corrector
+        # and walk), so a benchmark can report the corrector's cost net of DFlash's own selection
+        self.select_seconds = 0.0
 
     # -- compatibility ---------------------------------------------------------------------------
     def check_target(self, target) -> None:
@@ -382,7 +386,11 @@ class BlockDrafter(Drafter):
         # a fresh copy with standard strides: torch 2.13's CPU linear is ~20x slower on a strided input
         # (and .contiguous() keeps the block stride of a single request's slice)
         hidden = out[:, off : off + k].clone(memory_format=torch.contiguous_format)
-        return self.select(hidden, self.draft_logits(hidden), inp, anchor_hidden=out[:, 0])
+        logits = self.draft_logits(hidden)
+        t0 = time.perf_counter()
+        drafted = self.select(hidden, logits, inp, anchor_hidden=out[:, 0])
+        self.select_seconds += time.perf_counter() - t0
+        return drafted
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits (..., V) of the target's LM head; with a draft vocabulary only its rows are
