@@ -9,13 +9,15 @@ Greedy first-slot hit rates are printed too, and the checkpoint's simulated gree
 held-out samples as `dcoco train` logs it (with and without correction). A DFlash checkpoint gets a
 zero corrector, so its DCOCO rows are DFlash's own.
 
-  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR] [--dtype D]
+  python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR] [--greedy-data DIR] [--dtype D]
 
 The target runs in float32 unless --dtype says otherwise (`dcoco train` evaluates in the config's
 dtype, bfloat16 for the shipped recipes: --dtype bfloat16 reproduces its held-out τ).
 
 --data evaluates every sample of another regenerated set (e.g. the target's own T=1 answers,
-`dcoco data regenerate --temperature 1`) instead of the config's held-out samples.
+`dcoco data regenerate --temperature 1`) instead of the config's held-out samples; --greedy-data does the same for the greedy τ (e.g. the
+target's greedy answers to the held-out prompts of `scripts/heldout_prompts.py`), so neither needs
+the training data on disk.
 """
 
 from __future__ import annotations
@@ -41,12 +43,18 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml", help="training config (data, held-out split)")
     ap.add_argument("--data", help="evaluate all samples of this regenerated data directory instead")
+    ap.add_argument("--greedy-data", help="greedy tau on all samples of this regenerated data directory instead")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's dtype")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.from_pretrained(None, dtype=args.dtype)
-    cfg = load_config(args.config, [f"run.out={tempfile.mkdtemp()}", f"drafter.init_from={args.checkpoint}"])
+    overrides = [f"run.out={tempfile.mkdtemp()}", f"drafter.init_from={args.checkpoint}"]
+    if args.greedy_data:  # every sample is "training" data to the trainer, then evaluated
+        overrides += [f"data.path={args.greedy_data}", "data.eval_permille=0"]
+    cfg = load_config(args.config, overrides)
     tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))  # its model is the checkpoint (float32)
+    if args.greedy_data:
+        tr.eval_samples = tr.train_samples
     ev = tr.evaluate()
     print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}; {len(tr.eval_samples)} samples)")
     if args.data:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import OracleDrafter, random_prompts, tiny_target
+from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
 from dcoco.drafters import NgramDrafter
 from dcoco.engine import SpeculativeEngine
 from dcoco.kv import KVBatch
 from dcoco.sampling import SamplingParams
+from dcoco.target import Target
 
 MAX_NEW = 40
 
@@ -145,3 +146,20 @@ def test_seeded_sampling_is_reproducible():
     a = [o.token_ids for o in SpeculativeEngine(target, NgramDrafter(), 4).generate(prompts, sp)[0]]
     b = [o.token_ids for o in SpeculativeEngine(target, NgramDrafter(), 4).generate(prompts[::-1], sp)[0]][::-1]
     assert a == b  # a request's randomness is its own, whatever batch it runs in
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_warns_where_bf16_verification_is_slow(monkeypatch, recwarn, bf16_units):
+    """A bf16 target on a CPU without bf16 matrix instructions gets a warning when a drafter loads
+    (verifying n tokens costs ~n decode steps there); float32, or a CPU with them, gets none."""
+    from dcoco.drafters import SpeculativeConfig, load_drafter
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_units)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    ngram = SpeculativeConfig(method="ngram")
+    load_drafter(ngram, Target(tiny_model().to(torch.bfloat16)))
+    assert any("bf16 matrix" in str(w.message) for w in recwarn) != bf16_units
+    recwarn.clear()
+    load_drafter(ngram, tiny_target())  # float32
+    assert load_drafter(SpeculativeConfig(method="vanilla"), Target(tiny_model().to(torch.bfloat16))) is None
+    assert not any("bf16 matrix" in str(w.message) for w in recwarn)

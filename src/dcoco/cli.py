@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -354,6 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    warnings.formatwarning = lambda message, *_a, **_k: f"dcoco: warning: {message}\n"  # one line, no source
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # long jobs save their work on a plain kill too
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     try:

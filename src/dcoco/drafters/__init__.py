@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import ConfigError, ModelNotFoundError, UnknownMethodError
@@ -148,10 +150,22 @@ def available_methods() -> list[str]:
     return [m for m in METHODS if m in ("vanilla", "ngram") or (m in _TRAINED and shipped_checkpoint(m))]
 
 
+def slow_bf16_verification(target) -> bool:
+    """Whether the target runs bf16 on a CPU without bf16 matrix instructions (AVX-512 BF16 or AMX).
+    There a pass over n new tokens costs about n decode steps (README: "On a CPU without bf16 matrix
+    units"), so verifying a drafted block rarely pays off."""
+    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+        return False
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
     """Build the drafter a config names (None for vanilla)."""
     if cfg.method == "vanilla":
         return None
+    if slow_bf16_verification(target):
+        warnings.warn(f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): verifying a block of n tokens "
+                      f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here", stacklevel=2)
     if cfg.method == "ngram":
         try:
             return NgramDrafter(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
