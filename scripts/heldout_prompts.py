@@ -3,6 +3,8 @@ for `dcoco bench --datasets FILE` or `dcoco data regenerate --source FILE` (e.g.
 answers to them, for `scripts/t1_overlap.py --data`).
 
   python scripts/heldout_prompts.py OUT.jsonl [--config configs/dcoco_smollm2.yaml]
+  python scripts/heldout_prompts.py OUT.jsonl --split 60   # no data on disk: the first 60 prompts of
+                                                           # the training split that the hash holds out
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import json
 
 from dcoco.train.config import load_config
-from dcoco.train.data import RegeneratedUnion
+from dcoco.train.data import RegeneratedUnion, sharegpt_train_prompts
 from dcoco.train.trainer import is_eval_sample
 
 
@@ -19,15 +21,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml")
+    ap.add_argument("--split", type=int, metavar="N", help="instead of the config's data: the first N held-out prompts of the split")
     args = ap.parse_args()
     cfg = load_config(args.config)
+    if args.split:
+        rows = ((p.id, p.messages) for p in sharegpt_train_prompts())
+    else:
+        rows = ((s["id"], s["conversations"]) for s in RegeneratedUnion(cfg.data.path).samples())
     n = 0
     with open(args.out, "w") as f:
-        for s in RegeneratedUnion(cfg.data.path).samples():
-            if is_eval_sample(s["id"], cfg.data.eval_permille):
-                user = [c for c in s["conversations"] if c.get("role", c.get("from")) in ("user", "human")][:1]
-                f.write(json.dumps({"id": s["id"], "conversations": user}) + "\n")
+        for sid, turns in rows:
+            if is_eval_sample(sid, cfg.data.eval_permille):
+                user = [c for c in turns if c.get("role", c.get("from")) in ("user", "human")][:1]
+                f.write(json.dumps({"id": sid, "conversations": user}) + "\n")
                 n += 1
+                if n == args.split:
+                    break
     print(f"{n} held-out prompts -> {args.out}")
 
 
