@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dcoco.datasets import first_user_turn
 from dcoco.train.config import load_config
 from dcoco.train.data import RegeneratedUnion, sharegpt_train_prompts
 from dcoco.train.trainer import is_eval_sample
@@ -31,9 +32,9 @@ def main() -> None:
     n = 0
     with open(args.out, "w") as f:
         for sid, turns in rows:
-            if is_eval_sample(sid, cfg.data.eval_permille):
-                user = [c for c in turns if c.get("role", c.get("from")) in ("user", "human")][:1]
-                f.write(json.dumps({"id": sid, "conversations": user}) + "\n")
+            text = first_user_turn(turns)
+            if text is not None and is_eval_sample(sid, cfg.data.eval_permille):
+                f.write(json.dumps({"id": sid, "conversations": [{"role": "user", "content": text}]}) + "\n")
                 n += 1
                 if n == args.split:
                     break

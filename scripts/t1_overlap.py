@@ -15,9 +15,9 @@ The target runs in float32 unless --dtype says otherwise (`dcoco train` evaluate
 dtype, bfloat16 for the shipped recipes: --dtype bfloat16 reproduces its held-out τ).
 
 --data evaluates every sample of another regenerated set (e.g. the target's own T=1 answers,
-`dcoco data regenerate --temperature 1`) instead of the config's held-out samples; --greedy-data does the same for the greedy τ (e.g. the
-target's greedy answers to the held-out prompts of `scripts/heldout_prompts.py`), so neither needs
-the training data on disk.
+`dcoco data regenerate --temperature 1`) instead of the config's held-out samples; --greedy-data
+does the same for the greedy τ (e.g. the target's greedy answers to the held-out prompts of
+`scripts/heldout_prompts.py`), so neither needs the training data on disk.
 """
 
 from __future__ import annotations
