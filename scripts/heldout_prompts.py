@@ -5,6 +5,8 @@ answers to them, for `scripts/t1_overlap.py --data`).
   python scripts/heldout_prompts.py OUT.jsonl [--config configs/dcoco_smollm2.yaml]
   python scripts/heldout_prompts.py OUT.jsonl --split 60   # no data on disk: the first 60 prompts of
                                                            # the training split that the hash holds out
+  python scripts/heldout_prompts.py OUT.jsonl --data data/heldout-greedy   # the prompts a regenerated
+                                                           # set answered (all of them), e.g. to bench them
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml")
     ap.add_argument("--split", type=int, metavar="N", help="instead of the config's data: the first N held-out prompts of the split")
+    ap.add_argument("--data", metavar="DIR", help="instead of the config's data: every prompt of this regenerated set")
     args = ap.parse_args()
     cfg = load_config(args.config)
-    if args.split:
+    if args.data:
+        rows = ((s["id"], s["conversations"]) for s in RegeneratedUnion(args.data).samples())
+    elif args.split:
         rows = ((p.id, p.messages) for p in sharegpt_train_prompts())
     else:
         rows = ((s["id"], s["conversations"]) for s in RegeneratedUnion(cfg.data.path).samples())
@@ -33,7 +38,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         for sid, turns in rows:
             text = first_user_turn(turns)
-            if text is not None and is_eval_sample(sid, cfg.data.eval_permille):
+            if text is not None and (args.data or is_eval_sample(sid, cfg.data.eval_permille)):
                 f.write(json.dumps({"id": sid, "conversations": [{"role": "user", "content": text}]}) + "\n")
                 n += 1
                 if n == args.split:

@@ -6,10 +6,12 @@ over the shortlist (softmax of S over the K candidates) and over the draft vocab
 softmax with the K candidates rescored, `vocab_walk`), from the T > 0 scores (the sampled head's
 when the checkpoint has one); DFlash's q is the same backbone's softmax.
 Greedy first-slot hit rates are printed too, and the checkpoint's simulated greedy τ on the config's
-held-out samples as `dcoco train` logs it (with and without correction). A DFlash checkpoint gets a
+held-out samples as `dcoco train` logs it (with and without correction): over random anchors, and
+as decoded (blocks open where the last one ended, as in `dcoco bench`). A DFlash checkpoint gets a
 zero corrector, so its DCOCO rows are DFlash's own.
 
   python scripts/t1_overlap.py CHECKPOINT [--config configs/dcoco_smollm2.yaml] [--data DIR] [--greedy-data DIR] [--dtype D]
+                              [--response-tokens N]
 
 The target runs in float32 unless --dtype says otherwise (`dcoco train` evaluates in the config's
 dtype, bfloat16 for the shipped recipes: --dtype bfloat16 reproduces its held-out τ).
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--data", help="evaluate all samples of this regenerated data directory instead")
     ap.add_argument("--greedy-data", help="greedy tau on all samples of this regenerated data directory instead")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's dtype")
+    ap.add_argument("--response-tokens", type=int, metavar="N", help="greedy tau on the first N response tokens of each sample")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.from_pretrained(None, dtype=args.dtype)
@@ -55,8 +58,11 @@ def main() -> None:
     tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))  # its model is the checkpoint (float32)
     if args.greedy_data:
         tr.eval_samples = tr.train_samples
+    if args.response_tokens:  # e.g. to compare with `dcoco bench --max-new-tokens N` on the same prompts
+        tr.eval_samples = [dict(s, input_ids=s["input_ids"][: s["prompt_len"] + args.response_tokens]) for s in tr.eval_samples]
     ev = tr.evaluate()
-    print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}; {len(tr.eval_samples)} samples)")
+    print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}); as decoded "
+          f"{ev['eval_tau_decode']:.4f} (uncorrected {ev['eval_tau_decode_dflash']:.4f}; {len(tr.eval_samples)} samples)")
     if args.data:
         tr.data = RegeneratedUnion(args.data)
         tr.eval_samples = [s for s in tr.data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]

@@ -21,7 +21,7 @@ from dcoco.drafters.dflash import (
 from dcoco.engine import SpeculativeEngine
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
-from dcoco.train.trainer import Trainer, make_batch, position_weights, sample_anchors
+from dcoco.train.trainer import Trainer, decode_acceptance, make_batch, position_weights, sample_anchors
 
 LAYERS = 6
 
@@ -89,6 +89,20 @@ def test_anchors_and_weights():
     assert torch.allclose(w, torch.exp(-torch.arange(4) / 2.0))
     b = make_batch([{"input_ids": list(range(20)), "prompt_len": 5}], [torch.zeros(20, 4)], [[5, 17]], 5)
     assert b.labels[0, 0].tolist() == [6, 7, 8, 9] and b.labels[0, 1].tolist() == [18, 19, -100, -100]
+
+
+def test_decode_acceptance_walks_blocks_like_greedy_decoding():
+    """Blocks open where the previous one ended, accept their matching prefix of k drafts and add
+    the target's token, which never runs past the answer."""
+    x = list(range(100, 112))  # an answer of 12 tokens; anchors at its first 11
+    b = make_batch([{"input_ids": [0, 1] + x, "prompt_len": 2}], [torch.zeros(14, 4)], [list(range(2, 13))], 5)
+    pred = b.labels[0].clone()  # every draft right ...
+    pred[0, 1] = pred[3, 0] = -1  # ... but slot 2 at anchor 0 and slot 1 at anchor 3
+    # anchor 0: 1 accepted (+1) -> anchor 2: 3 of k=3 (+1) -> anchor 6: 3 (+1) -> anchor 10: capped at 0 (+1)
+    assert decode_acceptance(pred, b.labels[0], 3) == (4, 11)
+    assert decode_acceptance(pred, b.labels[0], 4) == (3, 11)  # anchors 0, 2 (4 + 1), 7 (3 left + 1)
+    pred[:] = -1
+    assert decode_acceptance(pred, b.labels[0], 3) == (11, 11)
 
 
 def test_checkpoint_round_trip(tmp_path):

@@ -19,7 +19,7 @@ from dcoco.engine import SpeculativeEngine
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
 from dcoco.train.dspark import DSparkLoss, TargetHead
-from dcoco.train.trainer import Batch, Trainer
+from dcoco.train.trainer import Batch, Trainer, loss_batch
 
 LAYERS = 6
 
@@ -142,7 +142,7 @@ def test_loss_terms_match_hand_computation():
     ids = [(5 * i + 2) % target.vocab_size for i in range(20)]
     feats, tlogits = _features(target, ids)
     sample = {"input_ids": ids, "prompt_len": 4}
-    b = loss_fn.make_batch([sample], [feats[:, cols]], 3, torch.Generator().manual_seed(0))
+    b = loss_batch(loss_fn, [sample], [feats[:, cols]], 3, torch.Generator().manual_seed(0))
     assert b.labels.shape == (1, 3, 6)  # anchor slot: one label per slot (B = 6)
     a = b.anchors[0].tolist()
     assert b.labels[0, 0].tolist() == ids[a[0] + 1 : a[0] + 7]

@@ -68,3 +68,52 @@ def test_prompt_too_long(capsys, smollm):
     code = main(["generate", "--prompt", "word " * 9000, "--max-new-tokens", "4"])
     _, err = capsys.readouterr()
     assert code == 2 and "exceeds the model context" in err
+
+
+@pytest.mark.parametrize("method", ["dflash", "dcoco", "dspark"])
+def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
+    """What `dcoco train` fits and evaluates is what inference drafts: at every block of a real greedy
+    decode (float32) the trainer's teacher-forced prediction at that anchor is the shipped drafter's
+    proposal (DSpark's up to its first miss, where its walk and teacher forcing part), and walking the
+    trainer's predictions over the answer (`eval_tau_decode`) takes the engine's verification passes."""
+    from dcoco.drafters import SpeculativeConfig, load_drafter, shipped_checkpoint
+    from dcoco.engine import SpeculativeEngine
+    from dcoco.train.config import load_config
+    from dcoco.train.data import Prompt, RegeneratedData, regenerate
+    from dcoco.train.trainer import Trainer, decode_acceptance
+
+    drafter = load_drafter(SpeculativeConfig(method=method), smollm)
+    blocks = []
+    propose = drafter.propose
+
+    def recording(inp):
+        out = propose(inp)
+        blocks.append((len(inp.token_ids[0]) - 1, out.tokens[0, : int(out.lengths[0])].tolist()))
+        return out
+
+    drafter.propose = recording
+    sp = SamplingParams(max_tokens=40)
+    prompt = smollm.encode(PROMPTS[0])
+    [out], stats = SpeculativeEngine(smollm, drafter).generate([prompt], sp)
+    regenerate(smollm, [Prompt(id="p", messages=prompt)], tmp_path / "data", 1, taps=[smollm.num_layers], sampling=sp,
+               progress=False, features=False)
+    cfg = load_config(f"configs/{method}_smollm2.yaml", [
+        f"data.path={tmp_path / 'data'}", "data.features=online", "data.eval_permille=0", "optim.autocast_bf16=false",
+        f"run.out={tmp_path / 'run'}", f"drafter.init_from={shipped_checkpoint(method)}"])
+    tr = Trainer(cfg, smollm, RegeneratedData(tmp_path / "data"))
+    [smp] = tr.train_samples
+    assert smp["input_ids"] == prompt + out.token_ids
+    anchors = list(range(smp["prompt_len"], len(smp["input_ids"]) - 1))
+    b = tr.loss.batch_at([smp], tr._features([smp]), [anchors])
+    with torch.no_grad():
+        pred = tr.loss.predictions(tr.loss(b)[1])[""][0]
+    k = drafter.default_num_tokens
+    assert blocks and len(blocks) == stats.verify_passes
+    for anchor, drafted in blocks:
+        mine, labels = pred[anchor - smp["prompt_len"], : len(drafted)].tolist(), b.labels[0, anchor - smp["prompt_len"]].tolist()
+        hits = [next((i for i, (d, y) in enumerate(zip(ds, labels)) if d != y), len(ds)) for ds in (mine, drafted)]
+        assert hits[0] == hits[1], (anchor, mine, drafted, labels)
+        if method != "dspark":
+            assert mine == drafted, (anchor, mine, drafted)
+    assert decode_acceptance(pred, b.labels[0], k)[0] == stats.verify_passes
+

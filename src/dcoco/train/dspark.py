@@ -27,7 +27,7 @@ from ..drafters.checkpoint import load_checkpoint
 from ..drafters.dflash import DFlashModel
 from ..drafters.dspark import DSparkConfig, DSparkModel, load_dspark, save_dspark
 from ..errors import ConfigError
-from .trainer import Batch, DrafterLoss, acceptance_from_predictions, make_batch, sample_anchors
+from .trainer import Batch, DrafterLoss, acceptance_from_predictions, make_batch
 
 
 class TargetHead:
@@ -106,9 +106,8 @@ class DSparkLoss(DrafterLoss):
         self.ce_weight, self.l1_weight, self.confidence_weight = ce_weight, l1_weight, confidence_weight
         self.weights = torch.exp(-torch.arange(model.max_draft, dtype=torch.float32) / gamma)
 
-    def make_batch(self, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator) -> Batch:
+    def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
         """The DFlash batch with one label per draft slot: labels[s, a, j] = x_{anchor + 1 + j}."""
-        anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
         return make_batch(samples, feats, anchors, self.model.max_draft + 1)
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
@@ -141,11 +140,15 @@ class DSparkLoss(DrafterLoss):
             m["confidence_loss"] = bce_l.item()
         return loss, {"logits": z, "base_logits": base, "confidence": conf, "accept": accept, "metrics": m}
 
+    def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
+        """Teacher-forced argmax of z, which equals the greedy Markov walk up to its first miss (so
+        its acceptance is the walk's), and of the backbone alone ("_no_markov")."""
+        return {"": self.draft_argmax(extras["logits"]), "_no_markov": self.draft_argmax(extras["base_logits"])}
+
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
-        # teacher-forced argmax of z equals the greedy Markov walk up to its first miss, so this is
-        # the greedy chain's simulated acceptance
-        tau, pp = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
-        tau_base, _ = acceptance_from_predictions(self.draft_argmax(extras["base_logits"]), labels)
+        pred = self.predictions(extras)
+        tau, pp = acceptance_from_predictions(pred[""], labels)
+        tau_base, _ = acceptance_from_predictions(pred["_no_markov"], labels)
         out = {"eval_tau": tau, "eval_per_position": pp, "eval_tau_no_markov": tau_base,
                **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
         if extras["confidence"] is not None:

@@ -134,8 +134,16 @@ class DrafterLoss:
         logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
         return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
 
+    def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
+        """Blocks at the given anchor positions of each sample."""
+        return make_batch(samples, feats, anchors, self.model.cfg.block_size)
+
+    def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
+        """Greedy drafts (S, A, P) as inference makes them, by eval-metric suffix ("" = the method's own)."""
+        return {"": self.draft_argmax(extras["logits"])}
+
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
-        tau, pp = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
+        tau, pp = acceptance_from_predictions(self.predictions(extras)[""], labels)
         return {"eval_tau": tau, "eval_per_position": pp}
 
     def draft_argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -247,17 +255,21 @@ class DCOCOLoss(DrafterLoss):
         accept = (torch.minimum(q, p).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
         return (l1 * w).sum() / w.sum().clamp_min(1e-6), accept.item()
 
-    def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
+    def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
+        """The corrected walk's drafts, and the same drafts uncorrected ("_dflash")."""
         from ..drafters.dcoco import walk_greedy
 
+        lead, (S, A, P) = self.model.lead, extras["logits"].shape[:3]
+        ids = extras["ids"]
+        corrected = ids.gather(2, walk_greedy(extras["scores"]).unsqueeze(2)).squeeze(2)[:, lead:].reshape(S, A, P)
+        return {"": corrected, "_dflash": self.draft_argmax(extras["logits"])}
+
+    def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
         S, A, P = labels.shape
-        lead = self.model.lead
-        ids, scores = extras["ids"], extras["scores"]
-        pick = walk_greedy(scores)
-        corrected = ids.gather(2, pick.unsqueeze(2)).squeeze(2)[:, lead:].reshape(S, A, P)
-        ids = ids[:, lead:]
-        tau_c, pp = acceptance_from_predictions(corrected, labels)
-        tau_d, _ = acceptance_from_predictions(self.draft_argmax(extras["logits"]), labels)
+        pred = self.predictions(extras)
+        tau_c, pp = acceptance_from_predictions(pred[""], labels)
+        tau_d, _ = acceptance_from_predictions(pred["_dflash"], labels)
+        ids = extras["ids"][:, self.model.lead :]
         oracle = torch.where((ids == labels.view(S * A, P, 1)).any(-1).view(S, A, P), labels, -1)
         tau_o, _ = acceptance_from_predictions(oracle, labels)
         return {"eval_tau": tau_c, "eval_per_position": pp, "eval_tau_dflash": tau_d, "eval_tau_oracle": tau_o,
@@ -280,14 +292,29 @@ def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tup
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
 
 
+def decode_acceptance(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[int, int]:
+    """(verification passes, tokens) of greedy decoding over one answer, from drafts (A, P) and labels
+    (A, P) at each of its anchor positions in order, the last one's label being the answer's last
+    token: each block opens where the previous one ended (anchor + accepted + 1), drafts k tokens and
+    yields its accepted prefix plus the target's token, which must be one of the answer's."""
+    match = (pred[:, :k] == labels[:, :k]) & (labels[:, :k] != -100)
+    accepted = torch.cumprod(match.long(), dim=-1).sum(-1).tolist()
+    a = passes = tokens = 0
+    while a < len(accepted):
+        n = min(accepted[a], len(accepted) - a - 1)
+        passes += 1
+        tokens += n + 1
+        a += n + 1
+    return passes, tokens
+
+
 def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator):
     """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
-    features: the loss's own layout when it has a `make_batch` hook (DSpark, EAGLE-3), else DFlash
-    blocks at `n_anchors` anchors per sequence sampled from `gen`."""
+    features: the loss's own layout when it has a `make_batch` hook (EAGLE-3), else DFlash
+    blocks (`batch_at`) at `n_anchors` anchors per sequence sampled from `gen`."""
     if hasattr(loss, "make_batch"):
         return loss.make_batch(samples, feats, n_anchors, gen)
-    anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
-    return make_batch(samples, feats, anchors, loss.model.cfg.block_size)
+    return loss.batch_at(samples, feats, [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples])
 
 
 def build_block_model(method: str, d, target) -> DFlashModel:
@@ -510,8 +537,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Teacher-forced simulated acceptance on held-out samples: every response position is an
-        anchor (strided to bound the cost), greedy predictions against the target's own tokens."""
+        """Teacher-forced simulated acceptance on held-out samples, greedy predictions against the
+        target's own tokens: `eval_tau` over 32 random anchors per sample, and for the block drafters
+        `eval_tau_decode`, the τ greedy decoding gets (`_decode_tau`). Random anchors overstate
+        it: a stretch the drafter predicts well counts once per anchor in it, but decoding crosses it
+        in one block."""
         with torch.device(self.device):
             return self._evaluate()
 
@@ -525,6 +555,7 @@ class Trainer:
             with self.autocast():
                 loss, extras = self.loss(batch)
             rows.append({"eval_loss": loss.item(), **self.loss.eval_metrics(extras, batch.labels)})
+        decoded = self._decode_tau() if hasattr(self.loss, "predictions") else {}
         self.model.train()
         out = {}
         for key in rows[0]:
@@ -534,7 +565,35 @@ class Trainer:
                 out[key] = [round(sum(v[k] for v in vals if len(v) > k) / len(vals), 4) for k in range(n)]
             else:
                 out[key] = round(sum(vals) / len(vals), 4)
-        return out
+        return {**out, **decoded}
+
+    def _decode_tau(self, chunk: int = 64) -> dict:
+        """τ as greedy decoding realizes it on the held-out samples (per suffix of `predictions`):
+        drafts at every response position, then each sample walked block by block with the drafter's
+        default draft length (`decode_acceptance`). With the target's greedy answers as data this is
+        what `dcoco bench` measures on those prompts, up to bf16 rounding."""
+        k = min(self.model.cfg.num_speculative_tokens or self.model.max_draft, self.model.max_draft)
+        totals: dict[str, list[int]] = {}
+        for smp in self.eval_samples:
+            smp = self._truncate(smp)
+            anchors = list(range(smp["prompt_len"], len(smp["input_ids"]) - 1))
+            if not anchors:
+                continue
+            feats = self._features([smp])
+            preds: dict[str, list[torch.Tensor]] = {}
+            labels = []
+            for i in range(0, len(anchors), chunk):
+                b = self.loss.batch_at([smp], feats, [anchors[i : i + chunk]])
+                with self.autocast():
+                    _, extras = self.loss(b)
+                for key, p in self.loss.predictions(extras).items():
+                    preds.setdefault(key, []).append(p[0])
+                labels.append(b.labels[0])
+            for key, p in preds.items():
+                passes, tokens = decode_acceptance(torch.cat(p), torch.cat(labels), k)
+                t = totals.setdefault(key, [0, 0])
+                t[0], t[1] = t[0] + passes, t[1] + tokens
+        return {f"eval_tau_decode{key}": round(t[1] / max(1, t[0]), 4) for key, t in totals.items()}
 
     def run(self, progress: bool = True) -> None:
         from tqdm import tqdm
