@@ -281,12 +281,15 @@ def rows_at(scores: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return scores.gather(2, a.view(*a.shape, 1, 1).expand(-1, -1, 1, scores.shape[-1])).squeeze(2)
 
 
+def accepted_prefix(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1 at each draft slot (last dim) whose slot and all before it match a label, else 0."""
+    return torch.cumprod(((pred == labels) & (labels != -100)).long(), dim=-1)
+
+
 def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tuple[float, list[float]]:
     """Simulated acceptance length tau = 1 + mean accepted prefix, and per-position acceptance,
     from greedy predictions (S, A, B-1) against the (greedy) target continuation."""
-    valid_blocks = labels[..., 0] != -100
-    match = (pred == labels) & (labels != -100)
-    acc = torch.cumprod(match.long(), dim=-1)[valid_blocks]  # (n, B-1)
+    acc = accepted_prefix(pred, labels)[labels[..., 0] != -100]  # (n, B-1) over blocks with a label
     if acc.numel() == 0:
         return 1.0, []
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
@@ -297,8 +300,7 @@ def decode_acceptance(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple
     (A, P) at each of its anchor positions in order, the last one's label being the answer's last
     token: each block opens where the previous one ended (anchor + accepted + 1), drafts k tokens and
     yields its accepted prefix plus the target's token, which must be one of the answer's."""
-    match = (pred[:, :k] == labels[:, :k]) & (labels[:, :k] != -100)
-    accepted = torch.cumprod(match.long(), dim=-1).sum(-1).tolist()
+    accepted = accepted_prefix(pred[:, :k], labels[:, :k]).sum(-1).tolist()
     a = passes = tokens = 0
     while a < len(accepted):
         n = min(accepted[a], len(accepted) - a - 1)
