@@ -25,15 +25,13 @@ does the same for the greedy τ (e.g. the target's greedy answers to the held-ou
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
+from heldout_tau import add_arguments, checkpoint_trainer
 
 from dcoco.drafters.dcoco import walk_greedy
 from dcoco.target import Target
-from dcoco.train.config import load_config
 from dcoco.train.data import RegeneratedUnion
-from dcoco.train.trainer import Trainer
 
 
 def overlap(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -42,24 +40,13 @@ def overlap(p: torch.Tensor, q: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint")
+    add_arguments(ap)
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml", help="training config (data, held-out split)")
     ap.add_argument("--data", help="evaluate all samples of this regenerated data directory instead")
-    ap.add_argument("--greedy-data", help="greedy tau on all samples of this regenerated data directory instead")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's dtype")
-    ap.add_argument("--response-tokens", type=int, metavar="N", help="greedy tau on the first N response tokens of each sample")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.from_pretrained(None, dtype=args.dtype)
-    overrides = [f"run.out={tempfile.mkdtemp()}", f"drafter.init_from={args.checkpoint}"]
-    if args.greedy_data:  # every sample is "training" data to the trainer, then evaluated
-        overrides += [f"data.path={args.greedy_data}", "data.eval_permille=0"]
-    cfg = load_config(args.config, overrides)
-    tr = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))  # its model is the checkpoint (float32)
-    if args.greedy_data:
-        tr.eval_samples = tr.train_samples
-    if args.response_tokens:  # e.g. to compare with `dcoco bench --max-new-tokens N` on the same prompts
-        tr.eval_samples = [dict(s, input_ids=s["input_ids"][: s["prompt_len"] + args.response_tokens]) for s in tr.eval_samples]
+    tr = checkpoint_trainer(args.checkpoint, args.config, target, args.greedy_data, args.response_tokens)
     ev = tr.evaluate()
     print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}); as decoded "
           f"{ev['eval_tau_decode']:.4f} (uncorrected {ev['eval_tau_decode_dflash']:.4f}; {len(tr.eval_samples)} samples)")

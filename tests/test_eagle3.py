@@ -107,7 +107,7 @@ def test_training_time_test_equals_inference_chain():
     ids = prompt + out.tokens[0].tolist()
     feats = torch.zeros(len(ids), 4 * H)
     feats[: len(prompt)] = f
-    b = make_eagle3_batch([{"input_ids": ids, "prompt_len": 2}], [feats])
+    b = make_eagle3_batch([{"input_ids": ids, "prompt_len": 2}], [feats], k)
     embed = target.model.get_input_embeddings()
     t = len(prompt) - 2
     with torch.no_grad():

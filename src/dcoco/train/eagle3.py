@@ -44,7 +44,7 @@ import torch
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, default_eagle_layer_ids, load_eagle3, save_eagle3
 from ..errors import ConfigError
 from .dspark import TargetHead, attach_target_head
-from .trainer import is_eval_sample, response_token_counts, sample_anchors, top_tokens
+from .trainer import acceptance_from_predictions, is_eval_sample, response_token_counts, sample_anchors, top_tokens
 
 
 @dataclass
@@ -53,16 +53,20 @@ class Eagle3Batch:
     feats: torch.Tensor  # (S, T, F) features of token t at slot t (drafter taps, then the last layer)
     lengths: torch.Tensor  # (S,)
     prompt_lens: torch.Tensor  # (S,)
-    labels: torch.Tensor  # (S, T) response tokens, -100 elsewhere (for logging)
-    slots: Optional[torch.Tensor] = None  # (S, A) start slots of the unrolled chains (-1: padding); None: all
+    labels: torch.Tensor  # (S, A, steps) the response token each chain step should draft, -100 outside the response
+    slots: Optional[torch.Tensor] = None  # (S, A) start slots of the unrolled chains (-1: padding); None: all (A = T)
 
 
-def make_eagle3_batch(samples: list[dict], feats: list[torch.Tensor], slots: Optional[list[list[int]]] = None) -> Eagle3Batch:
+def make_eagle3_batch(samples: list[dict], feats: list[torch.Tensor], steps: int,
+                      slots: Optional[list[list[int]]] = None) -> Eagle3Batch:
+    """Whole sequences, with chains of `steps` steps from the start slots `slots` (None: every slot).
+    Start slot t reads token t + 1 and its step j drafts token t + 2 + j: a chain starting at slot
+    a - 1 is the draft that decoding makes after anchor a (the last committed token)."""
     S = len(samples)
     T = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(S, T, dtype=torch.long)
     fx = torch.zeros(S, T, feats[0].shape[-1], dtype=feats[0].dtype)
-    labels = torch.full((S, T), -100, dtype=torch.long)
+    response = torch.zeros(S, T + steps + 2, dtype=torch.bool)
     lengths = torch.zeros(S, dtype=torch.long)
     prompt = torch.zeros(S, dtype=torch.long)
     for s, (smp, f) in enumerate(zip(samples, feats)):
@@ -70,13 +74,22 @@ def make_eagle3_batch(samples: list[dict], feats: list[torch.Tensor], slots: Opt
         ids[s, : len(x)] = x
         fx[s, : f.shape[0]] = f
         lengths[s], prompt[s] = len(x), smp["prompt_len"]
-        labels[s, smp["prompt_len"] : len(x)] = x[smp["prompt_len"] :]
+        response[s, smp["prompt_len"] : len(x)] = True
     st = None
-    if slots is not None:
+    if slots is None:
+        start = torch.arange(T).unsqueeze(0).expand(S, T)
+    else:
         st = torch.full((S, max(1, max(len(a) for a in slots))), -1, dtype=torch.long)
         for s, a in enumerate(slots):
             st[s, : len(a)] = torch.tensor(a, dtype=torch.long)
-    return Eagle3Batch(ids, fx, lengths, prompt, labels, st)
+        start = st.clamp(min=0)
+    tok = start.unsqueeze(-1) + 2 + torch.arange(steps)  # (S, A, steps)
+    flat = tok.view(S, -1)
+    labels = torch.cat([ids, ids.new_zeros(S, steps + 2)], 1).gather(1, flat).view_as(tok)
+    keep = response.gather(1, flat).view_as(tok)
+    if st is not None:
+        keep &= (st >= 0).unsqueeze(-1)
+    return Eagle3Batch(ids, fx, lengths, prompt, labels.masked_fill(~keep, -100), st)
 
 
 def ttt_weights(steps: int, decay: float) -> torch.Tensor:
@@ -95,56 +108,53 @@ class Eagle3Loss:
         (None: every slot) and at `n_anchors` of them for evaluation (the trainer's eval batches)."""
         n = self.slots if self.model.training else n_anchors
         if n is None:
-            return make_eagle3_batch(samples, feats)
+            return make_eagle3_batch(samples, feats, self.steps)
         # start slot t predicts token t + 2 first: t in [prompt_len - 2, len - 3]
         starts = [sample_anchors(max(0, s["prompt_len"] - 2), len(s["input_ids"]) - 1, n, gen) for s in samples]
-        return make_eagle3_batch(samples, feats, starts)
+        return make_eagle3_batch(samples, feats, self.steps, starts)
+
+    def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Eagle3Batch:
+        """The chains decoding drafts after the given anchor positions of each sample."""
+        return make_eagle3_batch(samples, feats, self.steps, [[a - 1 for a in an] for an in anchors])
 
     def __call__(self, b: Eagle3Batch) -> tuple[torch.Tensor, dict]:
         model, K = self.model, self.steps
         S, T = b.ids.shape
         aux, last = b.feats[..., : self.split], b.feats[..., self.split:]
         outs = model.unroll(self.embed, b.ids, aux.to(torch.float32), K, b.slots)
-        if b.slots is None:
-            start, real = torch.arange(T).unsqueeze(0).expand(S, T), torch.ones(S, T, dtype=torch.bool)
-        else:
-            start, real = b.slots.clamp(min=0), b.slots >= 0
+        start = torch.arange(T).unsqueeze(0).expand(S, T) if b.slots is None else b.slots.clamp(min=0)
         rows = model.draft_to_target
         full_tl = self.head.logits(last, rows=rows) if b.slots is None else None  # (S, T, Vd), once for all steps
-        ext = torch.cat([b.ids, b.ids.new_zeros(S, K + 2)], 1)
         bidx = torch.arange(S).unsqueeze(1).expand_as(start)
         loss = outs[0].sum() * 0.0  # stays a graph node when no slot has a target
         m: dict = {}
-        matches, valids = [], []
+        drafts = []
         for j, h in enumerate(outs):
-            tok = start + 2 + j  # the token step j predicts; its target distribution sits at tok - 1
-            nxt = ext.gather(1, tok)
-            valid = real & (tok < b.lengths.unsqueeze(1)) & (tok >= b.prompt_lens.unsqueeze(1)) & model.t2d[nxt]
-            valids.append(valid)
-            match = torch.zeros_like(valid)
+            nxt = b.labels[..., j]  # the token step j predicts; its target distribution sits one slot before it
+            valid = (nxt >= 0) & model.t2d[nxt.clamp(min=0)]
+            draft = torch.full_like(nxt, -1)  # -1: no draft this step could match (token outside the draft vocabulary)
             if valid.any():
-                bi, ui = bidx[valid], (tok - 1)[valid]
+                bi, ui = bidx[valid], (start + 1 + j)[valid]
                 tl = full_tl[bi, ui] if full_tl is not None else self.head.logits(last[bi, ui], rows=rows)
                 p = torch.softmax(tl, dim=-1)
                 logq = torch.log_softmax(model.logits(h[valid]).float(), dim=-1)
                 ce = -(p * logq).sum(-1).mean()
                 loss = loss + self.weights[j] * ce
                 with torch.no_grad():
-                    match[valid] = rows[logq.argmax(-1)] == nxt[valid]
+                    draft[valid] = rows[logq.argmax(-1)]
                 m[f"ttt_loss_{j}"] = ce.item()
-                m[f"ttt_acc_{j}"] = match[valid].float().mean().item()
-            matches.append(match)
-        return loss, {"matches": torch.stack(matches, -1), "valid": torch.stack(valids, -1), "metrics": m}
+                m[f"ttt_acc_{j}"] = (draft[valid] == nxt[valid]).float().mean().item()
+            drafts.append(draft)
+        return loss, {"drafts": torch.stack(drafts, -1), "metrics": m}
+
+    def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
+        """Greedy chain drafts (S, A, steps), teacher-forced on the tokens: up to a chain's first miss
+        they are the drafts inference makes."""
+        return {"": extras["drafts"]}
 
     def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
-        """Simulated greedy chain from every start slot: accepted = leading steps whose argmax is the
-        next data token (teacher-forced tokens equal the drafted ones up to the first miss)."""
-        start = extras["valid"][..., 0]
-        acc = torch.cumprod((extras["matches"] & extras["valid"]).long(), dim=-1)[start]
-        if acc.numel() == 0:
-            return {"eval_tau": 1.0, "eval_per_position": []}
-        return {"eval_tau": 1.0 + acc.sum(-1).float().mean().item(), "eval_per_position": acc.float().mean(0).tolist(),
-                **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
+        tau, pp = acceptance_from_predictions(extras["drafts"], labels)
+        return {"eval_tau": tau, "eval_per_position": pp, **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
 
 
 # -- trainer hooks ---------------------------------------------------------------------------------

@@ -540,8 +540,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Teacher-forced simulated acceptance on held-out samples, greedy predictions against the
-        target's own tokens: `eval_tau` over 32 random anchors per sample, and for the block drafters
-        `eval_tau_decode`, the τ greedy decoding gets (`_decode_tau`). Random anchors overstate
+        target's own tokens: `eval_tau` over 32 random anchors per sample, and `eval_tau_decode`, the
+        τ greedy decoding gets (`_decode_tau`). Random anchors overstate
         it: a stretch the drafter predicts well counts once per anchor in it, but decoding crosses it
         in one block."""
         with torch.device(self.device):
@@ -557,7 +557,7 @@ class Trainer:
             with self.autocast():
                 loss, extras = self.loss(batch)
             rows.append({"eval_loss": loss.item(), **self.loss.eval_metrics(extras, batch.labels)})
-        decoded = self._decode_tau() if hasattr(self.loss, "predictions") else {}
+        decoded = self._decode_tau()
         self.model.train()
         out = {}
         for key in rows[0]:
@@ -574,7 +574,7 @@ class Trainer:
         drafts at every response position, then each sample walked block by block with the drafter's
         default draft length (`decode_acceptance`). With the target's greedy answers as data this is
         what `dcoco bench` measures on those prompts, up to bf16 rounding."""
-        k = min(self.model.cfg.num_speculative_tokens or self.model.max_draft, self.model.max_draft)
+        k = self.model.cfg.num_speculative_tokens or self.model.max_draft  # at most the drafts' width
         totals: dict[str, list[int]] = {}
         for smp in self.eval_samples:
             smp = self._truncate(smp)
