@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .errors import InvalidPromptError, ModelNotFoundError, PromptTooLongError
 from .kv import KVBatch
+from .nn.prepack import prepack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +67,7 @@ class Target:
             # with a mask is ~10x faster per attention call (SmolLM2: 9 query / 3 K/V heads), which
             # made attention over half of batched decoding. Same math; opt out with =0.
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+            prepack_linears(model)  # bf16 weights packed once for oneDNN; DCOCO_PREPACK=0 opts out
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
