@@ -201,6 +201,7 @@ def test_end_to_end_resume_and_settings_guard(capsys, tmp_path, tiny_chat_dir, u
     assert "### T = 0, concurrency 1" in md and "### T = 1, concurrency 2" in md and "(1.00×)" in md
     assert "hf_assisted: skipped" in md and "llamacpp: skipped" in md
     assert "dcoco bench --methods vanilla,ngram" in md and "--model" in md and "Machine:" in md and "float32" in md
+    assert "bf16 weights prepacked for oneDNN: no" in md  # a float32 run
     for p in PLOTS:
         assert (out / p).stat().st_size > 5000
     answers = json.loads((out / "mtbench_turn1_answers.json").read_text())["answers"]

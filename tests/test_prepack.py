@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 from conftest import tiny_model
-from dcoco.nn.prepack import PrepackedLinear, prepack_enabled, prepack_linears
+from dcoco.nn.prepack import PrepackedLinear, prepack_enabled, prepack_linears, prepack_supported
 from dcoco.target import Target
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+pytestmark = pytest.mark.skipif(not prepack_supported(), reason="needs oneDNN with bf16 support on this CPU")
 
 
 def packed_pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:

@@ -108,7 +108,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     L += [
         f"- Machine: {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs; torch threads "
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows})) or machine.get('torch_threads', '?')}; "
-        f"device {', '.join(sorted({r['device'] for r in rows})) or machine.get('device', '?')}",
+        f"device {', '.join(sorted({r['device'] for r in rows})) or machine.get('device', '?')}"
+        + ("" if "prepacked_weights" not in machine else
+           f"; bf16 weights prepacked for oneDNN: {'yes' if machine['prepacked_weights'] else 'no'}"),
         f"- Target: {settings.get('model', '?')}; dtype {settings.get('dtype', '?')}; "
         f"max new tokens {settings.get('max_new_tokens', '?')}; draft tokens per pass "
         f"{'each drafter default' if k is None else k}; top-k {settings.get('top_k', 0)}, top-p {settings.get('top_p', 1.0)}",

@@ -453,7 +453,7 @@ class BenchRunner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.git_commit = git_commit()
-        self.meta.update(settings=self.settings, machine=machine_info(cfg.device), git_commit=self.git_commit,
+        self.meta.update(settings=self.settings, machine=machine_info(cfg.device, cfg.dtype), git_commit=self.git_commit,
                          config=cfg.to_dict())
         self.meta["commands"] = list(dict.fromkeys(self.meta.get("commands", []) + [cfg.command or "dcoco bench"]))
         skip = set()

@@ -47,12 +47,15 @@ def git_commit(path: Optional[Path] = None) -> str:
         return "unknown"
 
 
-def machine_info(device: str) -> dict:
+def machine_info(device: str, dtype: str = "bfloat16") -> dict:
     import torch
     import transformers
 
+    from ..nn.prepack import prepack_enabled
+
     return {
         "cpu": cpu_model(),
+        "prepacked_weights": device == "cpu" and dtype == "bfloat16" and prepack_enabled(),  # dcoco.nn.prepack
         "cpu_count": os.cpu_count(),
         "device": device_label(device),
         "torch_threads": torch.get_num_threads(),
