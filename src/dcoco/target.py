@@ -42,7 +42,8 @@ class Target:
     """A causal LM that scores token blocks on a per-request KV cache.
 
     Works with any `AutoModelForCausalLM` whose decoder layers live in `model.model.layers` and that
-    accepts a 4-D attention mask and explicit position ids (Llama, Qwen2/3, Mistral, ...).
+    accepts a 4-D attention mask and explicit position ids (Llama, Qwen2/3, Mistral, ...). On CPU its
+    bf16 `nn.Linear` modules become `PrepackedLinear` in place (`dcoco.nn.prepack`; same outputs).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None):
