@@ -3,6 +3,7 @@ lossless rollouts with the live draft, co-training, exact resume, config and CLI
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -253,6 +254,10 @@ def test_bf16_rollout_copy_is_synced(tmp_path):
     for (k, v), (_, w) in zip(run.draft.model.state_dict().items(), run.rollout_draft.state_dict().items()):
         assert torch.equal(v.to(w.dtype), w), k
     assert m["train_infer_max_logp_diff"] > 0 and m["acceptance_length"] >= 1.0
+    # the rollout copy computes with the synced weights (its prepacked CPU linears follow them too)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(run.rollout_target.model(ids).logits, copy.deepcopy(run.model).to(torch.bfloat16)(ids).logits)
 
 
 # -- co-training --------------------------------------------------------------------------------------------
