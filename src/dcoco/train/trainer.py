@@ -541,9 +541,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Teacher-forced simulated acceptance on held-out samples, greedy predictions against the
         target's own tokens: `eval_tau` over 32 random anchors per sample, and `eval_tau_decode`, the
-        τ greedy decoding gets (`_decode_tau`). Random anchors overstate
-        it: a stretch the drafter predicts well counts once per anchor in it, but decoding crosses it
-        in one block."""
+        τ greedy decoding gets (`_decode_tau`). Random anchors overstate it: a stretch the drafter
+        predicts well counts once per anchor in it, but decoding crosses it in one block."""
         with torch.device(self.device):
             return self._evaluate()
 
