@@ -24,7 +24,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--config", default="configs/dcoco_smollm2.yaml")
-    ap.add_argument("--split", type=int, metavar="N", help="instead of the config's data: the first N held-out prompts of the split")
+    ap.add_argument(
+        "--split", type=int, metavar="N", help="instead of the config's data: the first N held-out prompts of the split"
+    )
     ap.add_argument("--data", metavar="DIR", help="instead of the config's data: every prompt of this regenerated set")
     args = ap.parse_args()
     cfg = load_config(args.config)

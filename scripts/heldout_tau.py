@@ -26,8 +26,13 @@ from dcoco.train.data import RegeneratedUnion
 from dcoco.train.trainer import Trainer
 
 
-def checkpoint_trainer(checkpoint: str, config: str, target: Target, greedy_data: Optional[str] = None,
-                       response_tokens: Optional[int] = None) -> Trainer:
+def checkpoint_trainer(
+    checkpoint: str,
+    config: str,
+    target: Target,
+    greedy_data: Optional[str] = None,
+    response_tokens: Optional[int] = None,
+) -> Trainer:
     """A trainer whose model is `checkpoint` (float32) and whose held-out samples are the config's,
     or every sample of `greedy_data`, cut to their first `response_tokens` response tokens."""
     overrides = [f"run.out={tempfile.mkdtemp()}", f"drafter.init_from={checkpoint}"]
@@ -38,7 +43,9 @@ def checkpoint_trainer(checkpoint: str, config: str, target: Target, greedy_data
     if greedy_data:
         tr.eval_samples = tr.train_samples
     if response_tokens:  # e.g. to compare with `dcoco bench --max-new-tokens N` on the same prompts
-        tr.eval_samples = [dict(s, input_ids=s["input_ids"][: s["prompt_len"] + response_tokens]) for s in tr.eval_samples]
+        tr.eval_samples = [
+            dict(s, input_ids=s["input_ids"][: s["prompt_len"] + response_tokens]) for s in tr.eval_samples
+        ]
     return tr
 
 
@@ -46,7 +53,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--greedy-data", help="greedy tau on all samples of this regenerated data directory instead")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the target's dtype")
-    ap.add_argument("--response-tokens", type=int, metavar="N", help="greedy tau on the first N response tokens of each sample")
+    ap.add_argument(
+        "--response-tokens", type=int, metavar="N", help="greedy tau on the first N response tokens of each sample"
+    )
 
 
 def main() -> None:
@@ -57,8 +66,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.from_pretrained(None, dtype=args.dtype)
-    tr = checkpoint_trainer(args.checkpoint, args.config or f"configs/{args.method}_smollm2.yaml", target,
-                            args.greedy_data, args.response_tokens)
+    tr = checkpoint_trainer(
+        args.checkpoint,
+        args.config or f"configs/{args.method}_smollm2.yaml",
+        target,
+        args.greedy_data,
+        args.response_tokens,
+    )
     ev = tr.evaluate()
     print(f"{len(tr.eval_samples)} held-out samples")
     for key, value in ev.items():

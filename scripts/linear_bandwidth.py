@@ -47,8 +47,10 @@ def main() -> None:
         x = torch.randn(rows, in_f, dtype=torch.bfloat16)
         plain = per_call_us(lambda w, x: F.linear(x, w), weights, x)
         pk = per_call_us(lambda w, x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed, x)
-        print(f"rows {rows:3d}: F.linear {plain:6.0f} us ({mb / plain * 1e3:4.1f} GB/s), packed {pk:6.0f} us "
-              f"({mb / pk * 1e3:4.1f} GB/s): {1 - pk / plain:.0%} less time")
+        print(
+            f"rows {rows:3d}: F.linear {plain:6.0f} us ({mb / plain * 1e3:4.1f} GB/s), packed {pk:6.0f} us "
+            f"({mb / pk * 1e3:4.1f} GB/s): {1 - pk / plain:.0%} less time"
+        )
 
 
 if __name__ == "__main__":

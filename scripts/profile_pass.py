@@ -4,6 +4,7 @@ layers and LM head), per verification pass.
 
     python scripts/profile_pass.py --method dflash --max-new-tokens 48 --threads 1
 """
+
 import argparse
 
 import torch
@@ -27,7 +28,9 @@ passes = max(1, llm.last_stats.verify_passes)
 rows = prof.key_averages(group_by_input_shape=True)
 total = sum(r.self_cpu_time_total for r in rows) / 1e3
 mm = sorted(((r.self_cpu_time_total / 1e3, r.count, r.input_shapes) for r in rows if r.key == "aten::mm"), reverse=True)
-print(f"{args.method}: {total:.0f} ms profiled, {sum(t for t, _, _ in mm):.0f} ms in matrix multiplies, {passes} passes")
+print(
+    f"{args.method}: {total:.0f} ms profiled, {sum(t for t, _, _ in mm):.0f} ms in matrix multiplies, {passes} passes"
+)
 print("   ms total   ms/pass  calls  input shapes")
 for t, n, shapes in mm[:10]:
     print(f"{t:10.1f} {t / passes:9.2f} {n:6d}  {shapes}")

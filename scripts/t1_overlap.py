@@ -48,8 +48,10 @@ def main() -> None:
     target = Target.from_pretrained(None, dtype=args.dtype)
     tr = checkpoint_trainer(args.checkpoint, args.config, target, args.greedy_data, args.response_tokens)
     ev = tr.evaluate()
-    print(f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}); as decoded "
-          f"{ev['eval_tau_decode']:.4f} (uncorrected {ev['eval_tau_decode_dflash']:.4f}; {len(tr.eval_samples)} samples)")
+    print(
+        f"greedy held-out tau {ev['eval_tau']:.4f} (uncorrected {ev['eval_tau_dflash']:.4f}); as decoded "
+        f"{ev['eval_tau_decode']:.4f} (uncorrected {ev['eval_tau_decode_dflash']:.4f}; {len(tr.eval_samples)} samples)"
+    )
     if args.data:
         tr.data = RegeneratedUnion(args.data)
         tr.eval_samples = [s for s in tr.data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
@@ -60,7 +62,10 @@ def main() -> None:
     rows: dict[str, list[float]] = {f"{s} {n}": [] for s in ("slot1", "slot2|1") for n in names}
     rows.update({"greedy slot1 dflash": [], "greedy slot1 dcoco": []})
     gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):  # features in the target's dtype
+    with (
+        torch.no_grad(),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"),
+    ):  # features in the target's dtype
         for i in range(0, len(tr.eval_samples), 2):
             samples = [tr._truncate(s) for s in tr.eval_samples[i : i + 2]]
             b = tr._batch(samples, 32, gen)
@@ -79,18 +84,26 @@ def main() -> None:
                     rows["slot1 dflash"].append(overlap(p_all[anc], torch.softmax(l1, -1)))
                     rows["greedy slot1 dflash"].append(float(l1.argmax().item() == x[anc + 1]))
                     ids, vals, greedy, sc = model.pair_scores(  # the walks' scores: greedy and T > 0 (sampled head)
-                        hs[s, a].unsqueeze(0), logits[s, a].unsqueeze(0), tr.embed, anchor=torch.tensor([x[anc]]),
-                        anchor_hidden=h[s, a, 0].unsqueeze(0))
+                        hs[s, a].unsqueeze(0),
+                        logits[s, a].unsqueeze(0),
+                        tr.embed,
+                        anchor=torch.tensor([x[anc]]),
+                        anchor_hidden=h[s, a, 0].unsqueeze(0),
+                    )
                     ids = ids[0]
                     first = sc[0, 0, 0] if lead else vals[0, 0]
                     rows["slot1 dcoco shortlist"].append(overlap(p_all[anc], shortlist_q(ids[lead], first, V)))
                     rows["slot1 dcoco vocab"].append(overlap(p_all[anc], vocab_q(l1, ids[lead], first)))
-                    rows["greedy slot1 dcoco"].append(float(ids[lead, walk_greedy(greedy)[0, lead]].item() == x[anc + 1]))
+                    rows["greedy slot1 dcoco"].append(
+                        float(ids[lead, walk_greedy(greedy)[0, lead]].item() == x[anc + 1])
+                    )
                     hit = (ids[lead] == x[anc + 1]).nonzero()
                     if hit.numel():
                         row = sc[0, lead, int(hit[0, 0])]
                         rows["slot2|1 dflash"].append(overlap(p_all[anc + 1], torch.softmax(l2, -1)))
-                        rows["slot2|1 dcoco shortlist"].append(overlap(p_all[anc + 1], shortlist_q(ids[lead + 1], row, V)))
+                        rows["slot2|1 dcoco shortlist"].append(
+                            overlap(p_all[anc + 1], shortlist_q(ids[lead + 1], row, V))
+                        )
                         rows["slot2|1 dcoco vocab"].append(overlap(p_all[anc + 1], vocab_q(l2, ids[lead + 1], row)))
     for k, v in rows.items():
         if v:

@@ -24,9 +24,13 @@ from dcoco.target import Target
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default="dflash,dcoco,dspark")
-    ap.add_argument("--drafter", action="append", default=[], help="METHOD=DIR: a checkpoint instead of the shipped one")
+    ap.add_argument(
+        "--drafter", action="append", default=[], help="METHOD=DIR: a checkpoint instead of the shipped one"
+    )
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the request (T > 0: sampled drafts)")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of the request (T > 0: sampled drafts)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     paths = dict(d.split("=", 1) for d in args.drafter)
@@ -48,11 +52,15 @@ def main() -> None:
                 d.propose(step)
         draft_ms[method] = (time.perf_counter() - t0) / args.repeats * 1e3
         verify = verify_ms(target, d.default_num_tokens + 1, args.repeats)
-        print(f"{method}: {draft_ms[method]:.1f} ms per draft pass ({d.default_num_tokens} tokens), verification "
-              f"{verify:.1f} ms: draft share of a step {draft_ms[method] / (draft_ms[method] + verify):.1%}")
+        print(
+            f"{method}: {draft_ms[method]:.1f} ms per draft pass ({d.default_num_tokens} tokens), verification "
+            f"{verify:.1f} ms: draft share of a step {draft_ms[method] / (draft_ms[method] + verify):.1%}"
+        )
         if split_label(method)[0] == "dcoco" and "dflash" in draft_ms:
             extra = draft_ms[method] - draft_ms["dflash"]
-            print(f"{method}: corrector {extra:.1f} ms over dflash's pass, {extra / (draft_ms[method] + verify):.1%} of a step")
+            print(
+                f"{method}: corrector {extra:.1f} ms over dflash's pass, {extra / (draft_ms[method] + verify):.1%} of a step"
+            )
 
 
 def verify_ms(target: Target, width: int, repeats: int) -> float:
@@ -67,6 +75,7 @@ def verify_ms(target: Target, width: int, repeats: int) -> float:
         target.forward(kv, block, n)
         kv.commit(torch.tensor([0]))
     return (time.perf_counter() - t0) / repeats * 1e3
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dcoco.drafters.base import DraftInput, DraftOutput, Drafter, pad_rows
+from dcoco.drafters.base import Drafter, DraftInput, DraftOutput, pad_rows
 from dcoco.target import Target
 
 TINY = dict(
@@ -170,6 +170,8 @@ def engine_lossless_pvalue(target, drafter, sp, n: int = 4000, k: int = 2, seed:
     samples = []
     for start in range(0, n, 1000):
         params = [sp.model_copy(update={"seed": 7919 * i + seed}) for i in range(start, min(n, start + 1000))]
-        outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=1000).generate([LOSSLESS_PROMPT] * len(params), params)
+        outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=1000).generate(
+            [LOSSLESS_PROMPT] * len(params), params
+        )
         samples += [tuple(o.token_ids) for o in outs]
     return chi_square_pvalue(samples, exact_joint(target.model, LOSSLESS_PROMPT, sp)), stats

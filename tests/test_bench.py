@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from dcoco.bench import KEY_FIELDS, ROW_KEYS, derive
 from dcoco.bench import runner as bench_runner
 from dcoco.bench.report import PLOTS
@@ -43,10 +43,17 @@ def tiny_chat_dir(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = ["def function(numbers: List[float]) -> bool:\n    return True\n",
-              "Write a travel blog post about a trip to Hawaii.", "Complete the following Python function."] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "def function(numbers: List[float]) -> bool:\n    return True\n",
+        "Write a travel blog post about a trip to Hawaii.",
+        "Complete the following Python function.",
+    ] * 20
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|im_end|>")
     fast.chat_template = CHATML
@@ -60,14 +67,27 @@ def tiny_chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def user_jsonl(tmp_path_factory):
     f = tmp_path_factory.mktemp("data") / "mine.jsonl"
-    f.write_text(json.dumps({"prompt": "Write a function that returns True. def function(numbers)"}) + "\n"
-                 + json.dumps({"conversations": [{"from": "human", "value": "Hawaii trip, blog post please"}]}) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "Write a function that returns True. def function(numbers)"})
+        + "\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "Hawaii trip, blog post please"}]})
+        + "\n"
+    )
     return str(f)
 
 
 def bench_args(model, out, datasets, methods="vanilla,ngram,hf_generate,hf_prompt_lookup,hf_assisted,llamacpp", **over):
-    opts = {"methods": methods, "datasets": datasets, "num-prompts": "2", "max-new-tokens": "10",
-            "temperatures": "0,1", "seeds": "7", "concurrency": "1,2", "dtype": "float32", "out": str(out)}
+    opts = {
+        "methods": methods,
+        "datasets": datasets,
+        "num-prompts": "2",
+        "max-new-tokens": "10",
+        "temperatures": "0,1",
+        "seeds": "7",
+        "concurrency": "1,2",
+        "dtype": "float32",
+        "out": str(out),
+    }
     opts.update({k.replace("_", "-"): v for k, v in over.items()})
     args = ["bench", "--model", model, "--no-progress"]
     for k, v in opts.items():
@@ -77,15 +97,28 @@ def bench_args(model, out, datasets, methods="vanilla,ngram,hf_generate,hf_promp
 
 # -- pure parts --------------------------------------------------------------------------------------
 def _row(method, tps, dataset="d", t=0.0, seed=None, c=1):
-    return {"method": method, "dataset": dataset, "temperature": t, "seed": seed, "concurrency": c,
-            "tokens_per_second": tps, "speedup_vs_vanilla": None, "greedy_match_rate": None}
+    return {
+        "method": method,
+        "dataset": dataset,
+        "temperature": t,
+        "seed": seed,
+        "concurrency": c,
+        "tokens_per_second": tps,
+        "speedup_vs_vanilla": None,
+        "greedy_match_rate": None,
+    }
 
 
 def test_speedup_arithmetic():
     rows = [
-        _row("vanilla", 40.0), _row("ngram", 50.0), _row("hf_generate", 30.0),
-        _row("vanilla", 100.0, c=4), _row("ngram", 150.0, c=4),
-        _row("vanilla", 20.0, t=1.0, seed=1), _row("ngram", 30.0, t=1.0, seed=1), _row("ngram", 35.0, t=1.0, seed=2),
+        _row("vanilla", 40.0),
+        _row("ngram", 50.0),
+        _row("hf_generate", 30.0),
+        _row("vanilla", 100.0, c=4),
+        _row("ngram", 150.0, c=4),
+        _row("vanilla", 20.0, t=1.0, seed=1),
+        _row("ngram", 30.0, t=1.0, seed=1),
+        _row("ngram", 35.0, t=1.0, seed=2),
         _row("ngram", 10.0, dataset="other"),
     ]
     derive(rows)
@@ -112,8 +145,15 @@ def test_greedy_match_rate_and_outputs(tmp_path):
 def test_plan_runs_peers_at_concurrency_one_and_greedy_once():
     from dcoco.bench import make_config
 
-    cfg = make_config({"methods": "vanilla,hf_generate", "datasets": "humaneval", "temperatures": "0,1",
-                       "seeds": "1,2", "concurrency": "4,1"})
+    cfg = make_config(
+        {
+            "methods": "vanilla,hf_generate",
+            "datasets": "humaneval",
+            "temperatures": "0,1",
+            "seeds": "1,2",
+            "concurrency": "4,1",
+        }
+    )
     keys = [s.key for s in plan(cfg, ["humaneval"])]
     assert ("hf_generate", "humaneval", 0.0, None, 1) in keys
     assert not any(k[0] == "hf_generate" and k[4] != 1 for k in keys)
@@ -185,8 +225,14 @@ def test_end_to_end_resume_and_settings_guard(capsys, tmp_path, tiny_chat_dir, u
         assert r["dtype"] == "float32" and r["threads"] >= 1 and r["device"].startswith("cpu")
         assert r["output_tokens"] > 0 and r["wall_s"] > 0 and r["tokens_per_second"] > 0
         assert r["speedup_vs_vanilla"] == pytest.approx(
-            r["tokens_per_second"] / next(v["tokens_per_second"] for v in rows if v["method"] == "vanilla"
-                                          and [v[k] for k in KEY_FIELDS[1:]] == [r[k] for k in KEY_FIELDS[1:]]), rel=1e-3)
+            r["tokens_per_second"]
+            / next(
+                v["tokens_per_second"]
+                for v in rows
+                if v["method"] == "vanilla" and [v[k] for k in KEY_FIELDS[1:]] == [r[k] for k in KEY_FIELDS[1:]]
+            ),
+            rel=1e-3,
+        )
         if r["temperature"] == 0:
             # float32: every method reproduces vanilla greedy decoding token for token
             assert r["greedy_match_rate"] == 1.0, r
@@ -256,14 +302,18 @@ def test_token_id_prompts_on_a_model_without_tokenizer(capsys, tmp_path):
     f = tmp_path / "ids.jsonl"
     f.write_text("\n".join(json.dumps({"prompt_token_ids": [5, 6, 7, 5, 6, 7, i]}) for i in range(3)) + "\n")
     out = tmp_path / "o"
-    args = bench_args(str(d), out, str(f), methods="vanilla,ngram,hf_generate", temperatures="0", concurrency="1,3",
-                      threads="1")
+    args = bench_args(
+        str(d), out, str(f), methods="vanilla,ngram,hf_generate", temperatures="0", concurrency="1,3", threads="1"
+    )
     assert main(args) == 0, capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())
     assert len(rows) == 5 and all(r["greedy_match_rate"] == 1.0 for r in rows)
     assert all(r["threads"] == 1 for r in rows)
     # a chat dataset needs a tokenizer: one-line error
-    assert main(bench_args(str(d), tmp_path / "o2", "humaneval", methods="vanilla", temperatures="0", concurrency="1")) == 2
+    assert (
+        main(bench_args(str(d), tmp_path / "o2", "humaneval", methods="vanilla", temperatures="0", concurrency="1"))
+        == 2
+    )
     assert "no tokenizer" in capsys.readouterr().err
 
 
@@ -273,6 +323,7 @@ def test_llamacpp_peer_plumbing_with_a_stub_module(monkeypatch, tmp_path):
     import types
 
     from conftest import tiny_target
+
     from dcoco.bench.peers import LlamaCppPeer, unavailable_reason
 
     seen: dict = {"gen": [], "seeds": []}
@@ -340,14 +391,22 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
 
     target = Target.from_pretrained(tiny_chat_dir, dtype="float32")
     torch.manual_seed(0)
-    model = DCOCOModel(DFlashConfig.for_target(target, num_layers=1, block_size=4, num_features=2),
-                       DCOCOConfig(top_k=3, proj_dim=8, hidden=16))
+    model = DCOCOModel(
+        DFlashConfig.for_target(target, num_layers=1, block_size=4, num_features=2),
+        DCOCOConfig(top_k=3, proj_dim=8, hidden=16),
+    )
     torch.nn.init.normal_(model.corrector.out.weight, std=5.0)
     ck = tmp_path / "ck"
     save_dflash(ck, model, method="dcoco", dtype=torch.float32)
     out = tmp_path / "bench"
-    args = bench_args(tiny_chat_dir, out, "humaneval", methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2",
-                      drafters=f"dcoco={ck},dflash={ck}", concurrency="1")
+    args = bench_args(
+        tiny_chat_dir,
+        out,
+        "humaneval",
+        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2",
+        drafters=f"dcoco={ck},dflash={ck}",
+        concurrency="1",
+    )
     assert main(args) == 0, capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())
     assert {r["method"] for r in rows} == {"vanilla", "dflash", "dcoco", "dcoco/nocorrect", "dcoco/k2"}

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_model
+
 from dcoco import (
     LLM,
     ConfigError,
@@ -64,8 +64,12 @@ def test_bad_input_gives_one_line_error(capsys, args, needle):
 
 
 def test_cli_process_exit_code_and_no_traceback(tiny_dir):
-    r = subprocess.run([sys.executable, "-m", "dcoco.cli", "generate", "--prompt", "hi", "--method", "nope"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dcoco.cli", "generate", "--prompt", "hi", "--method", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and "unknown method" in r.stderr
 
 
@@ -89,8 +93,9 @@ def test_api_typed_errors(tiny_dir):
 
 @pytest.mark.parametrize("spec", ["2/2", "x", "1/0", "3"])
 def test_regenerate_bad_shard_is_one_line_error(capsys, tmp_path, spec):
-    code, out, err = run_cli(capsys, "data", "regenerate", "--out", str(tmp_path / "d"), "--num-samples", "1", "--shard", spec)
+    code, out, err = run_cli(
+        capsys, "data", "regenerate", "--out", str(tmp_path / "d"), "--num-samples", "1", "--shard", spec
+    )
     lines = [l for l in err.strip().splitlines() if l]
     assert code == 2 and len(lines) == 1 and "--shard" in lines[0], err
     assert not (tmp_path / "d").exists()
-

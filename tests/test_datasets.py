@@ -103,7 +103,9 @@ def test_jsonl_formats(tmp_path):
         {"id": "c3", "conversations": [{"role": "user", "content": "role style"}]},
         {"prompt_token_ids": [1, 2, 3]},
     ]
-    f.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]) + "\n")
+    f.write_text(
+        "\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]) + "\n"
+    )
     ps = jsonl_prompts(f)
     assert [p.id for p in ps] == ["line1", "line2", "c3", "line5"]
     assert ps[0].messages == [{"role": "user", "content": "Write a haiku."}]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import engine_lossless_pvalue, random_prompts, tiny_target
+
 from dcoco import SamplingParams
 from dcoco.drafters.base import DraftInput
 from dcoco.drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel, walk_greedy
@@ -67,8 +67,15 @@ def test_pair_scores_match_slow_reference():
     lsm = logits - torch.logsumexp(logits, -1, keepdim=True)
     for n, p, a, b in itertools.product(range(N), range(P - 1), range(K), range(K)):
         s = corr.norm_pair(corr.proj_pair(torch.cat([hid[n, p], hid[n, p + 1]])))
-        x = torch.cat([z[n, p, a], z[n, p + 1, b], z[n, p, a] * z[n, p + 1, b], s,
-                       torch.stack([logits[n, p, a], logits[n, p + 1, b], lsm[n, p, a], lsm[n, p + 1, b]])])
+        x = torch.cat(
+            [
+                z[n, p, a],
+                z[n, p + 1, b],
+                z[n, p, a] * z[n, p + 1, b],
+                s,
+                torch.stack([logits[n, p, a], logits[n, p + 1, b], lsm[n, p, a], lsm[n, p + 1, b]]),
+            ]
+        )
         delta = corr.out(F.silu(W @ x + corr.w_a.bias))
         assert torch.allclose(fast[n, p, a, b], logits[n, p + 1, b] + delta[0], atol=1e-4)
 
@@ -104,7 +111,9 @@ def test_greedy_equality_with_correction():
     prompts = random_prompts(3, target.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=30)
     vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
-    outs, st = SpeculativeEngine(target, DCOCODrafter(dcoco_model(target, randomize=True), target), 5).generate(prompts, sp)
+    outs, st = SpeculativeEngine(target, DCOCODrafter(dcoco_model(target, randomize=True), target), 5).generate(
+        prompts, sp
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and st.drafted > 0
 
 
@@ -149,7 +158,9 @@ def test_inference_variants(tmp_path):
     off = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_correct=False), target)
     plain = BlockDrafter(model, target).propose(_draft_input(target)).tokens
     assert torch.equal(off.propose(_draft_input(target)).tokens, plain) and off.select_seconds > 0
-    assert variant_options("dcoco/k16") == {"dcoco_top_k": 16} and variant_options("dcoco/nocorrect") == {"dcoco_correct": False}
+    assert variant_options("dcoco/k16") == {"dcoco_top_k": 16} and variant_options("dcoco/nocorrect") == {
+        "dcoco_correct": False
+    }
     assert variant_options("dcoco/sampled") == {"dcoco_walk": "sampled"} and variant_options("dcoco/noemb") == {}
     assert variant_options("dcoco/vocab") == {"dcoco_walk": "vocab"}
     vw = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_walk="vocab"), target)
@@ -164,8 +175,9 @@ def test_bench_accepts_variant_labels(tmp_path):
 
     ck = tmp_path / "ck"
     save_dflash(ck, dcoco_model(tiny()), method="dcoco", dtype=torch.float32)
-    cfg = make_config({"methods": "vanilla,dcoco,dcoco/k4,dcoco/nocorrect,dcoco/noemb",
-                       "drafters": f"dcoco={ck},dcoco/noemb={ck}"})
+    cfg = make_config(
+        {"methods": "vanilla,dcoco,dcoco/k4,dcoco/nocorrect,dcoco/noemb", "drafters": f"dcoco={ck},dcoco/noemb={ck}"}
+    )
     assert cfg.methods == ["vanilla", "dcoco", "dcoco/k4", "dcoco/nocorrect", "dcoco/noemb"]
     with pytest.raises(UnknownMethodError, match="unknown variant"):
         make_config({"methods": "dcoco/noemb", "drafters": f"dcoco={ck}"})
@@ -177,15 +189,24 @@ def test_anchor_pair_starts_as_dflash_and_corrects_the_first_slot():
     sampling stay lossless."""
     target = tiny()
     plain = BlockDrafter(dcoco_model(target), target).propose(_draft_input(target)).tokens
-    assert torch.equal(DCOCODrafter(dcoco_model(target, anchor_pair=True), target).propose(_draft_input(target)).tokens, plain)
+    assert torch.equal(
+        DCOCODrafter(dcoco_model(target, anchor_pair=True), target).propose(_draft_input(target)).tokens, plain
+    )
     spec = DCOCODrafter(dcoco_model(target, randomize=True), target).propose(_draft_input(target)).tokens
-    anchored = DCOCODrafter(dcoco_model(target, randomize=True, anchor_pair=True), target).propose(_draft_input(target)).tokens
+    anchored = (
+        DCOCODrafter(dcoco_model(target, randomize=True, anchor_pair=True), target).propose(_draft_input(target)).tokens
+    )
     assert torch.equal(spec[:, 0], plain[:, 0]) and not torch.equal(anchored[:, 0], plain[:, 0])
     model = dcoco_model(target, randomize=True, anchor_pair=True)
     hid, logits = torch.randn(3, 5, target.hidden_size), torch.randn(3, 5, target.vocab_size)
     anchor = torch.tensor([7, 8, 9])
-    ids, vals, scores, _ = model.pair_scores(hid, logits, target.model.get_input_embeddings(), anchor=anchor,
-                                          anchor_hidden=torch.randn(3, target.hidden_size))
+    ids, vals, scores, _ = model.pair_scores(
+        hid,
+        logits,
+        target.model.get_input_embeddings(),
+        anchor=anchor,
+        anchor_hidden=torch.randn(3, target.hidden_size),
+    )
     assert ids.shape == (3, 6, 4) and scores.shape == (3, 5, 4, 4) and (ids[:, 0] == anchor.view(3, 1)).all()
     with pytest.raises(ValueError, match="anchor"):
         model.pair_scores(hid, logits, target.model.get_input_embeddings())
@@ -229,8 +250,10 @@ def test_shortlist_within_a_draft_vocabulary_equals_masking_the_rest():
     assert torch.equal(v1, v2) and torch.equal(i1, i2) and torch.isin(i2, vocab).all()
 
 
-@pytest.mark.parametrize("anchor_pair,top_k,vocab_walk,sampled_head",
-                         [(True, 3, False, False), (False, 32, False, False), (True, 3, True, False), (True, 32, True, True)])
+@pytest.mark.parametrize(
+    "anchor_pair,top_k,vocab_walk,sampled_head",
+    [(True, 3, False, False), (False, 32, False, False), (True, 3, True, False), (True, 32, True, True)],
+)
 def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_walk, sampled_head):
     """The corrector's L1 term: sum_b |softmax(S_p(a*, .))_b - p_target(c_b)| over the pairs that reach
     the first num_speculative_tokens slots, p_target recomputed from the last layer; it needs the
@@ -241,8 +264,9 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
     from dcoco.train.trainer import make_batch
 
     target = tiny()
-    model = dcoco_model(target, randomize=True, anchor_pair=anchor_pair, top_k=top_k, vocab_walk=vocab_walk,
-                        sampled_head=sampled_head).train()
+    model = dcoco_model(
+        target, randomize=True, anchor_pair=anchor_pair, top_k=top_k, vocab_walk=vocab_walk, sampled_head=sampled_head
+    ).train()
     if sampled_head:
         torch.nn.init.normal_(model.corrector.out_sampled.weight, std=3.0)
     model.cfg.num_speculative_tokens = 3
@@ -286,7 +310,9 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
         assert model.corrector.out_sampled.weight.grad.abs().sum() > 0
         model.zero_grad()
         plain(make_batch([{"input_ids": ids, "prompt_len": 4}], [feats[:, cols[:split]]], [anchors], 6))[0].backward()
-        assert model.corrector.out_sampled.weight.grad is None or model.corrector.out_sampled.weight.grad.abs().sum() == 0
+        assert (
+            model.corrector.out_sampled.weight.grad is None or model.corrector.out_sampled.weight.grad.abs().sum() == 0
+        )
     with pytest.raises(ValueError, match="target head"):
         DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5)
 
@@ -312,7 +338,9 @@ def test_vocab_walk_starts_as_dflash_sampling(anchor_pair, draft_vocab):
     assert torch.equal(out.tokens, plain.tokens) and torch.allclose(out.probs, plain.probs)
     assert not draft_vocab or (torch.isin(out.tokens, vocab).all() and out.probs[..., 1::2].sum() == 0)
     model = make(randomize=True, anchor_pair=anchor_pair, sampled_head=True)
-    d = DCOCODrafter(model, target).configure(walk="vocab")  # a zero sampled head: DFlash's sampling, greedy rows corrected
+    d = DCOCODrafter(model, target).configure(
+        walk="vocab"
+    )  # a zero sampled head: DFlash's sampling, greedy rows corrected
     mixed = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0)]
     out = d.propose(_draft_input(target, params=mixed))
     ref = BlockDrafter(model, target).propose(_draft_input(target, params=mixed))
@@ -321,6 +349,8 @@ def test_vocab_walk_starts_as_dflash_sampling(anchor_pair, draft_vocab):
     torch.nn.init.normal_(model.corrector.out_sampled.weight, std=3.0)
     inp = _draft_input(target, params=[SamplingParams(temperature=1.0)] * 3)
     out = d.propose(inp)
-    assert torch.allclose(out.probs.sum(-1), torch.ones(3, 5)) and (out.probs.gather(2, out.tokens.unsqueeze(2)) > 0).all()
+    assert (
+        torch.allclose(out.probs.sum(-1), torch.ones(3, 5)) and (out.probs.gather(2, out.tokens.unsqueeze(2)) > 0).all()
+    )
     base = BlockDrafter(model, target).propose(_draft_input(target, params=[SamplingParams(temperature=1.0)] * 3))
     assert not torch.allclose(out.probs, base.probs)  # the corrector changed q somewhere

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import random_prompts, tiny_target
+
 from dcoco import ConfigError, DrafterMismatchError, SamplingParams
 from dcoco.drafters.dflash import (
     BlockDrafter,
@@ -185,10 +185,22 @@ def tiny_data(tmp_path_factory):
     target = tiny()
     root = tmp_path_factory.mktemp("regen")
     rng = random.Random(0)
-    prompts = [Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))]) for i in range(40)]
+    prompts = [
+        Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))])
+        for i in range(40)
+    ]
     taps = [i + 1 for i in default_target_layer_ids(LAYERS, 2)]
-    regenerate(target, prompts, root, num_samples=40, taps=taps, sampling=SamplingParams(max_tokens=24),
-               batch_size=16, shard_size=8, progress=False)
+    regenerate(
+        target,
+        prompts,
+        root,
+        num_samples=40,
+        taps=taps,
+        sampling=SamplingParams(max_tokens=24),
+        batch_size=16,
+        shard_size=8,
+        progress=False,
+    )
     return target, root
 
 
@@ -204,14 +216,25 @@ def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
     data.samples_path.write_text("\n".join(text[:-3]) + "\n" + text[-3][: len(text[-3]) // 2])
     (data.features_dir / "shard-00099.safetensors").write_bytes(b"partial")
     prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples]
-    regenerate(target, prompts, root, num_samples=40, taps=data.manifest["taps"],
-               sampling=SamplingParams(max_tokens=24), batch_size=16, shard_size=8, progress=False)
+    regenerate(
+        target,
+        prompts,
+        root,
+        num_samples=40,
+        taps=data.manifest["taps"],
+        sampling=SamplingParams(max_tokens=24),
+        batch_size=16,
+        shard_size=8,
+        progress=False,
+    )
     again = RegeneratedData(root).samples()
     assert sorted(x["id"] for x in again) == sorted(x["id"] for x in samples)
     assert {x["id"]: x["input_ids"] for x in again} == {x["id"]: x["input_ids"] for x in samples}
     assert not (data.features_dir / "shard-00099.safetensors").exists()
     with pytest.raises(ConfigError):  # other settings into the same directory
-        regenerate(target, prompts, root, num_samples=41, taps=[1], sampling=SamplingParams(max_tokens=24), progress=False)
+        regenerate(
+            target, prompts, root, num_samples=41, taps=[1], sampling=SamplingParams(max_tokens=24), progress=False
+        )
 
 
 def test_union_of_regenerated_sets(tiny_data, tmp_path):
@@ -234,22 +257,43 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
     Trainer(_cfg([str(root), str(other)], tmp_path / "run", **{"optim.steps": 2}), target, union).run(progress=False)
     # the target's T=1 answers to the same prompts are other samples (same ids, held out alike)
     hot = tmp_path / "hot"
-    regenerate(target, prompts[:2], hot, num_samples=2, taps=taps, sampling=SamplingParams(temperature=1.0, max_tokens=7),
-               progress=False)
+    regenerate(
+        target,
+        prompts[:2],
+        hot,
+        num_samples=2,
+        taps=taps,
+        sampling=SamplingParams(temperature=1.0, max_tokens=7),
+        progress=False,
+    )
     both = RegeneratedUnion([root, hot])
     assert both.manifest["taps"] == taps and len(both.samples()) == len(samples) + 2
     odd = tmp_path / "odd"
-    regenerate(target, prompts[:1], odd, num_samples=1, taps=taps[:1], sampling=SamplingParams(max_tokens=7), progress=False)
+    regenerate(
+        target, prompts[:1], odd, num_samples=1, taps=taps[:1], sampling=SamplingParams(max_tokens=7), progress=False
+    )
     with pytest.raises(ConfigError, match="taps"):
         RegeneratedUnion([root, odd]).manifest
 
 
 def _cfg(root, out, **over):
-    base = {"data.path": str(root), "run.out": str(out), "optim.steps": 40, "optim.batch_size": 4,
-            "optim.anchors_per_seq": 6, "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.autocast_bf16": False,
-            "drafter.num_layers": 1, "drafter.block_size": 6, "drafter.num_features": 2, "data.eval_samples": 6,
-            "data.eval_permille": 200,
-            "run.eval_every": 20, "run.checkpoint_every": 10}
+    base = {
+        "data.path": str(root),
+        "run.out": str(out),
+        "optim.steps": 40,
+        "optim.batch_size": 4,
+        "optim.anchors_per_seq": 6,
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 5,
+        "optim.autocast_bf16": False,
+        "drafter.num_layers": 1,
+        "drafter.block_size": 6,
+        "drafter.num_features": 2,
+        "data.eval_samples": 6,
+        "data.eval_permille": 200,
+        "run.eval_every": 20,
+        "run.checkpoint_every": 10,
+    }
     base.update(over)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
@@ -296,8 +340,12 @@ def test_resume_equals_uninterrupted(tiny_data, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "overrides,needle",
-    [(["optim.stepz=3"], "unknown key"), (["optim.steps=abc"], "optim.steps"), (["nonsense"], "section.key=value"),
-     (["method=medusa"], "method")],
+    [
+        (["optim.stepz=3"], "unknown key"),
+        (["optim.steps=abc"], "optim.steps"),
+        (["nonsense"], "section.key=value"),
+        (["method=medusa"], "method"),
+    ],
 )
 def test_config_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -310,8 +358,14 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "dflash", **{"optim.steps": 3}), target, RegeneratedData(root)).run(progress=False)
     base, _ = load_dflash(tmp_path / "dflash" / "drafter", dtype=torch.float32)
-    over = {"optim.steps": 4, "drafter.init_from": str(tmp_path / "dflash" / "drafter"), "drafter.train_backbone": False,
-            "drafter.top_k": 3, "drafter.proj_dim": 8, "drafter.corrector_hidden": 16}
+    over = {
+        "optim.steps": 4,
+        "drafter.init_from": str(tmp_path / "dflash" / "drafter"),
+        "drafter.train_backbone": False,
+        "drafter.top_k": 3,
+        "drafter.proj_dim": 8,
+        "drafter.corrector_hidden": 16,
+    }
     tr = Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over), target, RegeneratedData(root))
     tr.run(progress=False)
     got = tr.model.state_dict()
@@ -319,8 +373,11 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
         assert torch.equal(got[k], v), k
     assert tr.model.corrector.out.weight.abs().sum() > 0
     # an inference default changed on the finished run is re-exported with the same weights
-    Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over, **{"drafter.sampled_walk": True}), target,
-            RegeneratedData(root)).run(progress=False)
+    Trainer(
+        _cfg(root, tmp_path / "dcoco", method="dcoco", **over, **{"drafter.sampled_walk": True}),
+        target,
+        RegeneratedData(root),
+    ).run(progress=False)
     again, raw = load_dflash(tmp_path / "dcoco" / "drafter")
     assert raw["dcoco_config"]["sampled_walk"] and again.dcfg.sampled_walk
     with pytest.raises(ConfigError, match="train_backbone"):
@@ -347,12 +404,14 @@ def test_finished_run_started_again_reexports(tiny_data, tmp_path):
     assert tr.step == 2 and raw["dcoco_num_speculative_tokens"] == 3
     assert "dcoco_draft_vocab_size" not in raw and model.draft_ids is None  # vocabulary (96) <= 8192: none
     # a run saved without a draft vocabulary gets one on re-export: the most frequent response tokens
-    tr = Trainer(_cfg(root, tmp_path / "run", **over, **{"drafter.draft_vocab_size": 20}), target, RegeneratedData(root))
+    tr = Trainer(
+        _cfg(root, tmp_path / "run", **over, **{"drafter.draft_vocab_size": 20}), target, RegeneratedData(root)
+    )
     tr.run(progress=False)
     model, raw = load_dflash(tmp_path / "run" / "drafter")
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
     for s in tr.train_samples:
-        counts += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"]:]), minlength=target.vocab_size)
+        counts += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"] :]), minlength=target.vocab_size)
     assert raw["dcoco_draft_vocab_size"] == 20 and model.draft_ids.numel() == 20
     assert counts[model.draft_ids].min() >= counts.sort(descending=True).values[19]
 
@@ -363,7 +422,9 @@ def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_
     (`--no-features`) that stored mode refuses."""
     target, root = tiny_data
     stored = Trainer(_cfg(root, tmp_path / "s", **{"optim.steps": 1}), target, RegeneratedData(root))
-    online = Trainer(_cfg(root, tmp_path / "o", **{"optim.steps": 1, "data.features": "online"}), target, RegeneratedData(root))
+    online = Trainer(
+        _cfg(root, tmp_path / "o", **{"optim.steps": 1, "data.features": "online"}), target, RegeneratedData(root)
+    )
     samples = stored.train_samples[:5]
     for a, b, s in zip(stored._features(samples), online._features(samples), samples):
         n = len(s["input_ids"]) - 1  # stored: every token but the last; online: every token
@@ -372,17 +433,32 @@ def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_
 
     tokens = tmp_path / "tokens"
     prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in RegeneratedData(root).samples()]
-    regenerate(target, prompts, tokens, num_samples=40, taps=RegeneratedData(root).manifest["taps"],
-               sampling=SamplingParams(max_tokens=24), batch_size=16, shard_size=8, progress=False, features=False)
+    regenerate(
+        target,
+        prompts,
+        tokens,
+        num_samples=40,
+        taps=RegeneratedData(root).manifest["taps"],
+        sampling=SamplingParams(max_tokens=24),
+        batch_size=16,
+        shard_size=8,
+        progress=False,
+        features=False,
+    )
     data = RegeneratedData(tokens)
     assert not data.has_features and not list(data.features_dir.glob("*.safetensors"))
-    assert {s["id"]: s["input_ids"] for s in data.samples()} == {s["id"]: s["input_ids"] for s in RegeneratedData(root).samples()}
+    assert {s["id"]: s["input_ids"] for s in data.samples()} == {
+        s["id"]: s["input_ids"] for s in RegeneratedData(root).samples()
+    }
     with pytest.raises(ConfigError, match="data.features=online"):
         Trainer(_cfg(tokens, tmp_path / "t"), target, data)
     from dcoco.train.data import RegeneratedUnion  # token-only and stored directories mix online
 
-    tr = Trainer(_cfg([str(root), str(tokens)], tmp_path / "t", **{"optim.steps": 3, "data.features": "online"}),
-                 target, RegeneratedUnion([root, tokens]))
+    tr = Trainer(
+        _cfg([str(root), str(tokens)], tmp_path / "t", **{"optim.steps": 3, "data.features": "online"}),
+        target,
+        RegeneratedUnion([root, tokens]),
+    )
     tr.run(progress=False)
     assert (tmp_path / "t" / "drafter" / "model.safetensors").exists()
 

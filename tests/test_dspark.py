@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import engine_lossless_pvalue, random_prompts, tiny_target
+
 from dcoco import ConfigError, SamplingParams
 from dcoco.drafters import SpeculativeConfig, load_drafter
 from dcoco.drafters.base import DraftInput
@@ -107,7 +107,9 @@ def test_confidence_truncation_policy():
         expected = (surv >= thr).sum(1).clamp(min=1)
         assert torch.equal(out.lengths, expected)
         assert torch.equal(out.tokens, full.tokens)  # truncation only shortens the block
-    assert DSparkDrafter(model, target, confidence_threshold=0.0).propose(draft_input(target)).lengths.tolist() == [5] * 3
+    assert (
+        DSparkDrafter(model, target, confidence_threshold=0.0).propose(draft_input(target)).lengths.tolist() == [5] * 3
+    )
     with pytest.raises(ValueError):
         DSparkDrafter(dspark_model(target, confidence_head=False), target, confidence_threshold=0.5)
 
@@ -119,7 +121,9 @@ def _features(target, ids: list[int]) -> torch.Tensor:
     # HF applies the final norm to the last entry of hidden_states; tap L is the layer output before it
     hs = list(out.hidden_states[1:LAYERS])
     cap = {}
-    h = target.model.model.layers[-1].register_forward_hook(lambda m, i, o: cap.setdefault("x", o[0] if isinstance(o, tuple) else o))
+    h = target.model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: cap.setdefault("x", o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
         target.model(torch.tensor([ids]))
     h.remove()
@@ -129,8 +133,14 @@ def _features(target, ids: list[int]) -> torch.Tensor:
 def _loss(target, model, taps, gamma=3.0):
     H = target.hidden_size
     cols = torch.cat([torch.arange((t - 1) * H, t * H) for t in taps])
-    return DSparkLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), gamma,
-                      TargetHead(target), split=len(taps) * H - H), cols
+    return DSparkLoss(
+        model,
+        target.model.get_input_embeddings(),
+        target.model.get_output_embeddings(),
+        gamma,
+        TargetHead(target),
+        split=len(taps) * H - H,
+    ), cols
 
 
 def test_loss_terms_match_hand_computation():
@@ -158,7 +168,9 @@ def test_loss_terms_match_hand_computation():
     w = torch.exp(-torch.arange(6.0) / 3.0) * valid
     q = torch.softmax(z, -1)
     l1 = (q - pt).abs().sum(-1)
-    ce = F.cross_entropy(z.view(-1, z.shape[-1]), b.labels.view(-1), ignore_index=-100, reduction="none").view(valid.shape)
+    ce = F.cross_entropy(z.view(-1, z.shape[-1]), b.labels.view(-1), ignore_index=-100, reduction="none").view(
+        valid.shape
+    )
     y = 1 - 0.5 * l1
     s = torch.sigmoid(conf)
     bce = -(y * torch.log(s) + (1 - y) * torch.log(1 - s))
@@ -184,8 +196,14 @@ def test_teacher_forced_training_equals_inference(anchor_slot):
     prompt = [(3 * i + 1) % target.vocab_size for i in range(9)]
     feats, _ = _features(target, prompt)
     k = model.max_draft
-    inp = DraftInput([0], [prompt], [feats[:-1, cols[: 2 * target.hidden_size]]], k,
-                     [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)])
+    inp = DraftInput(
+        [0],
+        [prompt],
+        [feats[:-1, cols[: 2 * target.hidden_size]]],
+        k,
+        [SamplingParams(temperature=1.0)],
+        [torch.Generator().manual_seed(3)],
+    )
     out = DSparkDrafter(model, target).propose(inp)
     ids = prompt + out.tokens[0].tolist()
     full = torch.zeros(len(ids), len(cols))
@@ -247,17 +265,44 @@ def tiny_data(tmp_path_factory):
     target = tiny()
     root = tmp_path_factory.mktemp("regen-dspark")
     rng = random.Random(0)
-    prompts = [Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))]) for i in range(40)]
-    regenerate(target, prompts, root, num_samples=40, taps=list(range(1, LAYERS + 1)), sampling=SamplingParams(max_tokens=24),
-               batch_size=20, shard_size=20, progress=False)
+    prompts = [
+        Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))])
+        for i in range(40)
+    ]
+    regenerate(
+        target,
+        prompts,
+        root,
+        num_samples=40,
+        taps=list(range(1, LAYERS + 1)),
+        sampling=SamplingParams(max_tokens=24),
+        batch_size=20,
+        shard_size=20,
+        progress=False,
+    )
     return target, root
 
 
 def _cfg(root, out, **over):
-    base = {"method": "dspark", "data.path": str(root), "run.out": str(out), "optim.steps": 30, "optim.batch_size": 4,
-            "optim.anchors_per_seq": 6, "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.autocast_bf16": False,
-            "drafter.num_layers": 1, "drafter.block_size": 6, "drafter.num_features": 2, "drafter.markov_rank": 8,
-            "data.eval_samples": 6, "data.eval_permille": 200, "run.eval_every": 15, "run.checkpoint_every": 30}
+    base = {
+        "method": "dspark",
+        "data.path": str(root),
+        "run.out": str(out),
+        "optim.steps": 30,
+        "optim.batch_size": 4,
+        "optim.anchors_per_seq": 6,
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 5,
+        "optim.autocast_bf16": False,
+        "drafter.num_layers": 1,
+        "drafter.block_size": 6,
+        "drafter.num_features": 2,
+        "drafter.markov_rank": 8,
+        "data.eval_samples": 6,
+        "data.eval_permille": 200,
+        "run.eval_every": 15,
+        "run.checkpoint_every": 30,
+    }
     base.update(over)
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
@@ -277,7 +322,9 @@ def test_training_loss_falls_and_exports(tiny_data, tmp_path):
     ck = tmp_path / "run" / "drafter"
     assert json.loads((ck / "config.json").read_text())["dspark_config"]["markov_rank"] == 8
     drafter = load_drafter(SpeculativeConfig(method="dspark", model=str(ck)), target)
-    outs, _ = SpeculativeEngine(target, drafter).generate(random_prompts(2, target.vocab_size), SamplingParams(max_tokens=8))
+    outs, _ = SpeculativeEngine(target, drafter).generate(
+        random_prompts(2, target.vocab_size), SamplingParams(max_tokens=8)
+    )
     assert all(len(o.token_ids) == 8 for o in outs)
 
 
@@ -293,8 +340,12 @@ def test_data_without_the_last_layer_is_rejected(tmp_path):
 def test_online_features_train_like_stored(tiny_data, tmp_path):
     """data.features=online (target forward per batch) gives the first step's loss of stored features."""
     target, root = tiny_data
-    losses = [Trainer(_cfg(root, tmp_path / mode, **{"data.features": mode, "optim.steps": 1}), target,
-                      RegeneratedData(root)).train_step()["loss"] for mode in ("stored", "online")]
+    losses = [
+        Trainer(
+            _cfg(root, tmp_path / mode, **{"data.features": mode, "optim.steps": 1}), target, RegeneratedData(root)
+        ).train_step()["loss"]
+        for mode in ("stored", "online")
+    ]
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
 
 
@@ -303,16 +354,30 @@ def test_dcoco_distribution_term_trains_from_the_last_layer(tiny_data, tmp_path)
     logs the term and its T=1 acceptance estimate; a warm start from that DCOCO keeps the corrector
     and takes the walk defaults from the config."""
     target, root = tiny_data
-    over = {"method": "dcoco", "optim.steps": 4, "optim.corrector_l1_weight": 1.0, "drafter.top_k": 3, "drafter.proj_dim": 8,
-            "drafter.corrector_hidden": 16, "drafter.anchor_pair": True, "drafter.sampled_walk": True,
-            "drafter.vocab_walk": True}
+    over = {
+        "method": "dcoco",
+        "optim.steps": 4,
+        "optim.corrector_l1_weight": 1.0,
+        "drafter.top_k": 3,
+        "drafter.proj_dim": 8,
+        "drafter.corrector_hidden": 16,
+        "drafter.anchor_pair": True,
+        "drafter.sampled_walk": True,
+        "drafter.vocab_walk": True,
+    }
     tr = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
     tr.run(progress=False)
     rows = [json.loads(l) for l in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
     assert all(r["corrector_l1"] > 0 and 0 <= r["t1_accept_est"] <= 1 for r in rows)
-    warm = {**over, "drafter.init_from": str(tmp_path / "a" / "drafter"), "drafter.vocab_walk": False,
-            "optim.corrector_l1_weight": 0.0}
+    warm = {
+        **over,
+        "drafter.init_from": str(tmp_path / "a" / "drafter"),
+        "drafter.vocab_walk": False,
+        "optim.corrector_l1_weight": 0.0,
+    }
     tr2 = Trainer(_cfg(root, tmp_path / "b", **warm), target, RegeneratedData(root))
-    assert torch.allclose(tr2.model.corrector.out.weight, tr.model.corrector.out.weight, rtol=1e-2, atol=1e-4)  # bf16 export
+    assert torch.allclose(
+        tr2.model.corrector.out.weight, tr.model.corrector.out.weight, rtol=1e-2, atol=1e-4
+    )  # bf16 export
     assert tr2.model.corrector.out.weight.abs().sum() > 0
     assert tr2.model.dcfg.sampled_walk and not tr2.model.dcfg.vocab_walk

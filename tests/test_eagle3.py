@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import engine_lossless_pvalue, random_prompts, tiny_target
+
 from dcoco import SamplingParams
 from dcoco.drafters import SpeculativeConfig, load_drafter
 from dcoco.drafters.base import DraftInput
@@ -27,8 +27,7 @@ from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
 from dcoco.train.dspark import TargetHead
 from dcoco.train.eagle3 import Eagle3Loss, make_eagle3_batch, ttt_weights
-from dcoco.train.trainer import top_tokens
-from dcoco.train.trainer import Trainer
+from dcoco.train.trainer import Trainer, top_tokens
 
 LAYERS = 6
 IDS = [0, 2, 4]  # 0-based decoder-layer ids -> taps 1, 3, 5
@@ -52,7 +51,9 @@ def eagle_model(target, seed=0, draft_vocab=64, vocab_seed=1) -> Eagle3Model:
 def features(target, ids: list[int]) -> torch.Tensor:
     """(len, 4H): taps 1, 3, 5 and the last layer's output (before the final norm), as regenerated data."""
     cap = {}
-    h = target.model.model.layers[-1].register_forward_hook(lambda m, i, o: cap.setdefault("x", o[0] if isinstance(o, tuple) else o))
+    h = target.model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: cap.setdefault("x", o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
         out = target.model(torch.tensor([ids]), output_hidden_states=True)
     h.remove()
@@ -69,7 +70,11 @@ def test_layer_ids_and_config_fields():
     cfg = Eagle3Config.for_target(target, IDS, draft_vocab_size=64)
     assert cfg.taps == (1, 3, 5)
     hf = cfg.to_hf()
-    assert hf["architectures"] == ["LlamaForCausalLMEagle3"] and hf["draft_vocab_size"] == 64 and hf["num_hidden_layers"] == 1
+    assert (
+        hf["architectures"] == ["LlamaForCausalLMEagle3"]
+        and hf["draft_vocab_size"] == 64
+        and hf["num_hidden_layers"] == 1
+    )
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SpecForge / SGLang: output of layer i
     assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # vLLM: input of layer i = hidden_states[i]
     assert Eagle3Config.from_hf(hf) == cfg
@@ -102,7 +107,9 @@ def test_training_time_test_equals_inference_chain():
     f = features(target, prompt)
     H = target.hidden_size
     k = 6
-    inp = DraftInput([0], [prompt], [f[:-1, : 3 * H]], k, [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(4)])
+    inp = DraftInput(
+        [0], [prompt], [f[:-1, : 3 * H]], k, [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(4)]
+    )
     out = Eagle3Drafter(model, target).propose(inp)
     ids = prompt + out.tokens[0].tolist()
     feats = torch.zeros(len(ids), 4 * H)
@@ -137,14 +144,16 @@ def test_ttt_loss_restricted_soft_ce_and_decay():
     model.train()
     H = target.hidden_size
     ids = [(5 * i + 2) % target.vocab_size for i in range(24)]
-    loss_fn = Eagle3Loss(model, target.model.get_input_embeddings(), TargetHead(target), split=3 * H, steps=7, decay=0.8)
-    assert torch.allclose(loss_fn.weights, torch.tensor([0.8 ** j for j in range(7)]))
+    loss_fn = Eagle3Loss(
+        model, target.model.get_input_embeddings(), TargetHead(target), split=3 * H, steps=7, decay=0.8
+    )
+    assert torch.allclose(loss_fn.weights, torch.tensor([0.8**j for j in range(7)]))
     assert torch.allclose(ttt_weights(3, 0.5), torch.tensor([1.0, 0.5, 0.25]))
     b = loss_fn.make_batch([{"input_ids": ids, "prompt_len": 5}], [features(target, ids)[:-1]], 0, None)
     loss, ex = loss_fn(b)
     m = ex["metrics"]
     steps = sorted(int(k.split("_")[-1]) for k in m if k.startswith("ttt_loss_"))
-    assert loss.item() == pytest.approx(sum(0.8 ** j * m[f"ttt_loss_{j}"] for j in steps), rel=1e-5)
+    assert loss.item() == pytest.approx(sum(0.8**j * m[f"ttt_loss_{j}"] for j in steps), rel=1e-5)
     # step 0 by hand: soft CE against the target's distribution restricted to the draft vocabulary
     with torch.no_grad():
         tl = target.model(torch.tensor([ids])).logits[0].float()
@@ -167,8 +176,14 @@ def _inp(target, lens, k, params=None, rids=None):
     seqs = [[(7 * i + 3 + n) % target.vocab_size for i in range(n + 1)] for n in lens]
     feats = [features(target, s)[:-1, : 3 * target.hidden_size] for s in seqs]
     params = params or [SamplingParams()] * len(lens)
-    return DraftInput(rids or list(range(len(lens))), seqs, feats, k, params,
-                      [torch.Generator().manual_seed(i) for i in range(len(lens))])
+    return DraftInput(
+        rids or list(range(len(lens))),
+        seqs,
+        feats,
+        k,
+        params,
+        [torch.Generator().manual_seed(i) for i in range(len(lens))],
+    )
 
 
 def test_requests_batched_incremental_and_released():
@@ -242,16 +257,29 @@ def test_checkpoint_round_trip_and_vllm_layout(tmp_path):
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
     _, state = load_checkpoint(tmp_path / "ck")
-    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool and "midlayer.hidden_norm.weight" in state
-    assert state["midlayer.self_attn.q_proj.weight"].shape == (model.cfg.num_attention_heads * model.cfg.head_dim, 2 * target.hidden_size)
+    assert (
+        state["d2t"].dtype == torch.int64
+        and state["t2d"].dtype == torch.bool
+        and "midlayer.hidden_norm.weight" in state
+    )
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (
+        model.cfg.num_attention_heads * model.cfg.head_dim,
+        2 * target.hidden_size,
+    )
     # a vLLM-style directory: layers.0.* names, no t2d, only the top-level layer ids
     cfg = {k: v for k, v in raw.items() if k != "eagle_config"}
-    st = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items() if k != "t2d"}
+    st = {
+        ("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v
+        for k, v in state.items()
+        if k != "t2d"
+    }
     save_checkpoint(tmp_path / "vllm", cfg, st, torch.float32)
     again, _ = load_eagle3(tmp_path / "vllm")
     assert again.cfg.layer_ids == IDS and torch.equal(again.t2d, model.t2d)
     assert torch.equal(again.midlayer.mlp.up_proj.weight, model.midlayer.mlp.up_proj.weight)
-    assert isinstance(load_drafter(SpeculativeConfig(method="eagle3", model=str(tmp_path / "ck")), target), Eagle3Drafter)
+    assert isinstance(
+        load_drafter(SpeculativeConfig(method="eagle3", model=str(tmp_path / "ck")), target), Eagle3Drafter
+    )
 
 
 @pytest.fixture(scope="module")
@@ -259,25 +287,49 @@ def tiny_data(tmp_path_factory):
     target = tiny()
     root = tmp_path_factory.mktemp("regen-eagle3")
     rng = random.Random(0)
-    prompts = [Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))]) for i in range(40)]
-    regenerate(target, prompts, root, num_samples=40, taps=[1, 3, 5, 6], sampling=SamplingParams(max_tokens=24),
-               batch_size=20, shard_size=20, progress=False)
+    prompts = [
+        Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 12))])
+        for i in range(40)
+    ]
+    regenerate(
+        target,
+        prompts,
+        root,
+        num_samples=40,
+        taps=[1, 3, 5, 6],
+        sampling=SamplingParams(max_tokens=24),
+        batch_size=20,
+        shard_size=20,
+        progress=False,
+    )
     return target, root
 
 
 def test_training_loss_falls_and_exports(tiny_data, tmp_path):
     target, root = tiny_data
-    over = {"method": "eagle3", "data.path": str(root), "run.out": str(tmp_path / "run"), "optim.steps": 30,
-            "optim.batch_size": 4, "optim.lr": 3e-3, "optim.warmup_steps": 5, "optim.autocast_bf16": False,
-            "drafter.draft_vocab_size": 48, "drafter.ttt_slots": 8, "data.eval_samples": 6, "data.eval_permille": 200,
-            "run.eval_every": 15, "run.checkpoint_every": 30}
+    over = {
+        "method": "eagle3",
+        "data.path": str(root),
+        "run.out": str(tmp_path / "run"),
+        "optim.steps": 30,
+        "optim.batch_size": 4,
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 5,
+        "optim.autocast_bf16": False,
+        "drafter.draft_vocab_size": 48,
+        "drafter.ttt_slots": 8,
+        "data.eval_samples": 6,
+        "data.eval_permille": 200,
+        "run.eval_every": 15,
+        "run.checkpoint_every": 30,
+    }
     cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
     tr = Trainer(cfg, target, RegeneratedData(root))
     assert isinstance(tr.model, Eagle3Model) and tr.model.cfg.layer_ids == [0, 2, 4]  # picked from the data's taps
     # the draft vocabulary holds the most frequent response tokens of the training split
     freq = torch.zeros(target.vocab_size, dtype=torch.long)
     for s in tr.train_samples:
-        freq += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"]:]), minlength=target.vocab_size)
+        freq += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"] :]), minlength=target.vocab_size)
     assert freq[tr.model.t2d].min() >= freq[~tr.model.t2d].max()
     tr.run(progress=False)
     rows = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
@@ -303,9 +355,16 @@ def test_online_features_train_like_stored(tiny_data, tmp_path):
     target, root = tiny_data
     losses = []
     for mode in ("stored", "online"):
-        over = {"method": "eagle3", "data.path": str(root), "run.out": str(tmp_path / mode), "optim.steps": 1,
-                "optim.autocast_bf16": False, "drafter.draft_vocab_size": 48, "drafter.ttt_slots": 8,
-                "data.features": mode}
+        over = {
+            "method": "eagle3",
+            "data.path": str(root),
+            "run.out": str(tmp_path / mode),
+            "optim.steps": 1,
+            "optim.autocast_bf16": False,
+            "drafter.draft_vocab_size": 48,
+            "drafter.ttt_slots": 8,
+            "data.features": mode,
+        }
         cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])
         losses.append(Trainer(cfg, target, RegeneratedData(root)).train_step()["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)

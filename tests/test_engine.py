@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
+
 from dcoco.drafters import NgramDrafter
 from dcoco.engine import SpeculativeEngine
 from dcoco.kv import KVBatch
@@ -17,7 +17,9 @@ MAX_NEW = 40
 
 def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
     x = torch.tensor([prompt])
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = target.model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -49,7 +51,9 @@ def test_greedy_with_frequent_compaction(monkeypatch):
     sp = SamplingParams(max_tokens=MAX_NEW)
     vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
     refs = {tuple(p): o.token_ids for p, o in zip(prompts, vanilla)}
-    outs, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size, 0.4), 6, max_batch_size=3).generate(prompts, sp)
+    outs, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size, 0.4), 6, max_batch_size=3).generate(
+        prompts, sp
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
 
 
@@ -89,8 +93,10 @@ def test_requests_join_and_leave():
     """Staggered arrivals (continuous batching) give the same greedy outputs as solo runs."""
     target = tiny_target("qwen3", seed=5)
     prompts = random_prompts(4, target.vocab_size, lengths=(8, 21, 4, 15), seed=2)
-    solo = [SpeculativeEngine(target).generate([p], SamplingParams(max_tokens=12 + 7 * i))[0][0].token_ids
-            for i, p in enumerate(prompts)]
+    solo = [
+        SpeculativeEngine(target).generate([p], SamplingParams(max_tokens=12 + 7 * i))[0][0].token_ids
+        for i, p in enumerate(prompts)
+    ]
     eng = SpeculativeEngine(target, NgramDrafter(prompt_lookup_min=1), 4)
     reqs = []
     for i, p in enumerate(prompts):
@@ -123,7 +129,9 @@ def test_stop_conditions():
     ref = SpeculativeEngine(target).generate([prompt], SamplingParams(max_tokens=30))[0][0].token_ids
     stop_tok = ref[10]
     first = ref.index(stop_tok)
-    out = SpeculativeEngine(target, NgramDrafter(), 5).generate([prompt], SamplingParams(max_tokens=30, stop_token_ids=[stop_tok]))[0][0]
+    out = SpeculativeEngine(target, NgramDrafter(), 5).generate(
+        [prompt], SamplingParams(max_tokens=30, stop_token_ids=[stop_tok])
+    )[0][0]
     assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
     target.eos_token_ids = {stop_tok}
     out = SpeculativeEngine(target).generate([prompt], SamplingParams(max_tokens=30))[0][0]

@@ -8,10 +8,9 @@ with the target itself, by a chi-square test (fixed seeds; threshold 1e-3, see t
 
 from __future__ import annotations
 
-
 import pytest
-
 from conftest import ModelDrafter, engine_lossless_pvalue, tiny_model
+
 from dcoco.drafters import NgramDrafter
 from dcoco.sampling import SamplingParams
 from dcoco.target import Target

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import tiny_model
+
 from dcoco.nn.prepack import PrepackedLinear, prepack_enabled, prepack_linears, prepack_supported
 from dcoco.target import Target
 

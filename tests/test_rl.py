@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_target
+
 from dcoco import ConfigError
 from dcoco.cli import main
 from dcoco.drafters import SpeculativeConfig, load_drafter
@@ -56,12 +56,27 @@ class ToyTask:
 
 
 def cfg_for(out, method="dflash", **over):
-    base = {"run.out": str(out), "grpo.steps": 4, "grpo.lr": 1e-4, "grpo.micro_batch": 3,
-            "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
-            "draft.method": method, "draft.init_from": "fresh", "draft.lr": 3e-3, "draft.anchors_per_seq": 4,
-            "draft.arch.num_layers": 1, "draft.arch.block_size": 6, "draft.arch.num_features": 2,
-            "draft.arch.ttt_steps": 3, "draft.arch.markov_rank": 8,
-            "run.val_every": 2, "run.checkpoint_every": 2, "run.save_policy": False}
+    base = {
+        "run.out": str(out),
+        "grpo.steps": 4,
+        "grpo.lr": 1e-4,
+        "grpo.micro_batch": 3,
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 12,
+        "draft.method": method,
+        "draft.init_from": "fresh",
+        "draft.lr": 3e-3,
+        "draft.anchors_per_seq": 4,
+        "draft.arch.num_layers": 1,
+        "draft.arch.block_size": 6,
+        "draft.arch.num_features": 2,
+        "draft.arch.ttt_steps": 3,
+        "draft.arch.markov_rank": 8,
+        "run.val_every": 2,
+        "run.checkpoint_every": 2,
+        "run.save_policy": False,
+    }
     base.update(over)
     return load_rl_config(None, [f"{k}={v}" for k, v in base.items()])
 
@@ -120,10 +135,23 @@ def test_grpo_loss_matches_hand_computation():
 
 
 # -- task ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text,reward", [
-    ("85", 1.0), (" 85.\n", 1.0), ("85 apples", 0.5), ("37 + 48 = 85", 0.5), ("The answer is 85.", 0.5),
-    ("86", 0.0), ("", 0.0), ("eighty-five", 0.0), ("-85", 0.0), ("8 5", 0.0), ("85.5", 0.0), ("85, or 86", 0.0),
-])
+@pytest.mark.parametrize(
+    "text,reward",
+    [
+        ("85", 1.0),
+        (" 85.\n", 1.0),
+        ("85 apples", 0.5),
+        ("37 + 48 = 85", 0.5),
+        ("The answer is 85.", 0.5),
+        ("86", 0.0),
+        ("", 0.0),
+        ("eighty-five", 0.0),
+        ("-85", 0.0),
+        ("8 5", 0.0),
+        ("85.5", 0.0),
+        ("85, or 86", 0.0),
+    ],
+)
 def test_arithmetic_reward(text, reward):
     assert arithmetic_reward(text, 85, partial_credit=0.5) == reward
 
@@ -148,12 +176,19 @@ def test_arithmetic_task_split_is_fixed_and_disjoint():
 
 
 # -- config and CLI -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,needle", [
-    (["grpo.stepz=3"], "unknown key"), (["grpo.steps=abc"], "grpo.steps"), (["nonsense"], "section.key=value"),
-    (["draft.method=medusa"], "draft.method"), (["rollout.temperature=0"], "rollout.temperature"),
-    (["rollout.group_size=1"], "rollout.group_size"), (["task.min_operand=9", "task.max_operand=3"], "min_operand"),
-    (["draft.arch.bogus=1"], "unknown key"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["grpo.stepz=3"], "unknown key"),
+        (["grpo.steps=abc"], "grpo.steps"),
+        (["nonsense"], "section.key=value"),
+        (["draft.method=medusa"], "draft.method"),
+        (["rollout.temperature=0"], "rollout.temperature"),
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["task.min_operand=9", "task.max_operand=3"], "min_operand"),
+        (["draft.arch.bogus=1"], "unknown key"),
+    ],
+)
 def test_config_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         load_rl_config(None, overrides)
@@ -165,14 +200,17 @@ def test_shipped_config_parses():
     assert cfg.rollout.group_size == 4 and cfg.rollout.prompts_per_step == 8 and cfg.rollout.max_new_tokens == 32
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--config", "/nonexistent/rl.yaml"], "not found"),
-    (["grpo.stepz=3"], "unknown key"),
-    (["rollout.temperature=-1"], "temperature"),
-    (["compare"], "at least one run"),
-    (["compare", "/nonexistent/run"], "not an RL run"),
-    (["--out", "x", "grpo.steps=1"], "--out is for"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--config", "/nonexistent/rl.yaml"], "not found"),
+        (["grpo.stepz=3"], "unknown key"),
+        (["rollout.temperature=-1"], "temperature"),
+        (["compare"], "at least one run"),
+        (["compare", "/nonexistent/run"], "not an RL run"),
+        (["--out", "x", "grpo.steps=1"], "--out is for"),
+    ],
+)
 def test_cli_bad_input(capsys, args, needle):
     code = main(["rl", *args])
     err = capsys.readouterr().err
@@ -189,9 +227,13 @@ def test_draft_term_leaves_policy_gradients_bitwise_identical(tmp_path, method):
     before = {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
     assert before and feats and feats[0].shape[1] == len(run.draft.feature_taps) * run.policy.hidden_size
     assert not any(f.requires_grad for f in feats)
-    samples = [{"input_ids": o.prompt_token_ids + o.token_ids, "prompt_len": len(o.prompt_token_ids)} for o in ro["outs"]]
+    samples = [
+        {"input_ids": o.prompt_token_ids + o.token_ids, "prompt_len": len(o.prompt_token_ids)} for o in ro["outs"]
+    ]
     m = run.draft.backward(samples, feats, torch.Generator().manual_seed(0))
-    assert math.isfinite(m["draft_loss"]) and any(p.grad is not None and p.grad.abs().sum() > 0 for p in run.draft.params)
+    assert math.isfinite(m["draft_loss"]) and any(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in run.draft.params
+    )
     after = {n: p.grad for n, p in run.model.named_parameters() if p.grad is not None}
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
@@ -230,8 +272,10 @@ def test_engine_logprobs_are_the_sampling_distribution():
 
     target = tiny()
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4]]
-    for sp in (SamplingParams(temperature=0.7, max_tokens=10, seed=1),
-               SamplingParams(temperature=1.3, top_k=7, top_p=0.9, max_tokens=10, seed=2)):
+    for sp in (
+        SamplingParams(temperature=0.7, max_tokens=10, seed=1),
+        SamplingParams(temperature=1.3, top_k=7, top_p=0.9, max_tokens=10, seed=2),
+    ):
         for drafter in (None, NgramDrafter()):
             outs, _ = SpeculativeEngine(target, drafter, 3, logprobs=True).generate(prompts, sp)
             for o in outs:
@@ -257,13 +301,25 @@ def test_bf16_rollout_copy_is_synced(tmp_path):
     # the rollout copy computes with the synced weights (its prepacked CPU linears follow them too)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
-        assert torch.equal(run.rollout_target.model(ids).logits, copy.deepcopy(run.model).to(torch.bfloat16)(ids).logits)
+        assert torch.equal(
+            run.rollout_target.model(ids).logits, copy.deepcopy(run.model).to(torch.bfloat16)(ids).logits
+        )
 
 
 # -- co-training --------------------------------------------------------------------------------------------
 def test_draft_loss_falls_and_outputs(tmp_path):
-    run = make_run(tmp_path, "dflash", **{"grpo.steps": 14, "grpo.lr": 1e-6, "run.val_every": 7, "rollout.temperature": 0.5,
-                                          "run.checkpoint_every": 7, "rollout.prompts_per_step": 3})
+    run = make_run(
+        tmp_path,
+        "dflash",
+        **{
+            "grpo.steps": 14,
+            "grpo.lr": 1e-6,
+            "run.val_every": 7,
+            "rollout.temperature": 0.5,
+            "run.checkpoint_every": 7,
+            "rollout.prompts_per_step": 3,
+        },
+    )
     run.run(progress=False)
     rows = [json.loads(l) for l in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
@@ -271,7 +327,15 @@ def test_draft_loss_falls_and_outputs(tmp_path):
     first = sum(r["draft_loss"] for r in steps[:4]) / 4
     last = sum(r["draft_loss"] for r in steps[-4:]) / 4
     assert last < 0.92 * first, (first, last)
-    for key in ("reward", "acceptance_length", "rollout_s", "step_s", "train_infer_kl", "draft_grad_norm", "policy_grad_norm"):
+    for key in (
+        "reward",
+        "acceptance_length",
+        "rollout_s",
+        "step_s",
+        "train_infer_kl",
+        "draft_grad_norm",
+        "policy_grad_norm",
+    ):
         assert key in steps[-1], key
     assert (tmp_path / "run" / "curve.png").exists() and (tmp_path / "run" / "state.pt").exists()
     # the exported draft loads as a normal drafter of this target

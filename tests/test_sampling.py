@@ -29,7 +29,15 @@ def test_topk_keeps_ties():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(stop=[""]), dict(temperature=float("nan")), dict(foo=1)],
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(max_tokens=0),
+        dict(stop=[""]),
+        dict(temperature=float("nan")),
+        dict(foo=1),
+    ],
 )
 def test_invalid_params(kwargs):
     with pytest.raises(InvalidSamplingParamsError):

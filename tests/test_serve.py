@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
-
 from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
+
 from dcoco import LLM, SamplingParams
 from dcoco.drafters import NgramDrafter
 from dcoco.drafters.base import DraftInput, DraftOutput
@@ -51,16 +51,27 @@ def tiny_dir(tmp_path_factory):
     from dcoco.models import default_model_dir
 
     d = tmp_path_factory.mktemp("tiny-tok")
-    tiny_model("llama", seed=1, vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               max_position_embeddings=CTX).save_pretrained(d)
+    tiny_model(
+        "llama",
+        seed=1,
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        max_position_embeddings=CTX,
+    ).save_pretrained(d)
     AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(d)
     return str(d)
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_dir):
-    return LLM(model=tiny_dir, dtype="float32", max_batch_size=8,
-               speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    return LLM(
+        model=tiny_dir,
+        dtype="float32",
+        max_batch_size=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": K},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +108,9 @@ def test_chat_and_completion_match_offline(server, offline):
     c = client(server)
     want = ref(offline, CHATS[:2], True, 20)
     for p, w in zip(CHATS[:2], want):
-        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=20, temperature=0)
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": p}], max_tokens=20, temperature=0
+        )
         assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
         assert r.choices[0].message.content == w.text
         assert r.choices[0].finish_reason == w.finish_reason
@@ -119,9 +132,16 @@ def test_chat_and_completion_match_offline(server, offline):
 def test_streaming_chat_and_completion(server, offline):
     c = client(server)
     w = ref(offline, [CHATS[2]], True, 24)[0]
-    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CHATS[2]}],
-                                            max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": CHATS[2]}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -134,8 +154,11 @@ def test_streaming_chat_and_completion(server, offline):
     assert "".join(ch.choices[0].text for ch in chunks) == w.text
     assert chunks[-1].choices[0].finish_reason == w.finish_reason
     # raw SSE framing: data: {...} lines and a final data: [DONE]
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json={"model": "tiny", "prompt": TEXTS[0], "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"model": "tiny", "prompt": TEXTS[0], "max_tokens": 5, "temperature": 0, "stream": True},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
@@ -149,13 +172,17 @@ def test_stop_strings_and_sampling(server, offline):
     cut = full[: full.find(stop)]
     r = c.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=20, temperature=0, stop=[stop])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    chunks = list(c.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=20, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        c.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=20, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == cut  # the stop string never leaks into a stream
     # seeded sampling is reproducible; top_k rides as an extra field
-    a = c.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7,
-                             extra_body={"top_k": 50})
-    b = c.completions.create(model="tiny", prompt=TEXTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7,
-                             extra_body={"top_k": 50})
+    a = c.completions.create(
+        model="tiny", prompt=TEXTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 50}
+    )
+    b = c.completions.create(
+        model="tiny", prompt=TEXTS[1], max_tokens=10, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 50}
+    )
     assert a.choices[0].text == b.choices[0].text
 
 
@@ -167,7 +194,9 @@ def test_16_concurrent_requests_equal_offline(server, offline):
     async def one(i: int) -> str:
         msgs = [{"role": "user", "content": prompts[i]}]
         if i % 2:
-            stream = await ac.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True)
+            stream = await ac.chat.completions.create(
+                model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True
+            )
             return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         r = await ac.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
         return r.choices[0].message.content
@@ -203,9 +232,17 @@ def test_errors(server):
     long_chat = [{"role": "user", "content": "word " * (CTX + 10)}]
     status, err = post({"model": "tiny", "messages": long_chat}, "/v1/chat/completions")
     assert status == 400 and err["param"] == "messages"
-    for bad, param in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-                       ({"max_tokens": 0}, "max_tokens"), ({"n": 2}, "n"), ({"temperature": "hot"}, "temperature"),
-                       ({"top_k": -5}, "top_k"), ({"stop": [""]}, "stop"), ({"logprobs": 3}, "logprobs")):
+    for bad, param in (
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_k": -5}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 3}, "logprobs"),
+    ):
         status, err = post({"model": "tiny", "prompt": "hi", **bad})
         assert (status, err["param"]) == (400, param), (bad, err)
     assert post({"model": "tiny", "prompt": [10**6]})[0] == 400  # token id outside the vocabulary
@@ -219,14 +256,24 @@ def test_errors(server):
         c.completions.create(model="nope", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=CTX + 5)
-    assert c.completions.create(model="tiny", prompt="still fine", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+    assert (
+        c.completions.create(model="tiny", prompt="still fine", max_tokens=2, temperature=0).usage.completion_tokens
+        >= 1
+    )
     wait_idle(server)
 
 
 # -- slots, metrics -----------------------------------------------------------------------------------
 def test_client_disconnect_frees_slot(server):
     before = metrics(server)
-    body = {"model": "tiny", "prompt": "Count forever:", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": "Count forever:",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -254,23 +301,42 @@ def test_metrics_consistent_with_responses(server):
     for i, p in enumerate(TEXTS):
         usages.append(c.completions.create(model="tiny", prompt=p * 3, max_tokens=24 + i, temperature=0).usage)
     for p in CHATS[:2]:
-        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=20,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         usages.append(chunks[-1].usage)
     after = metrics(server)
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     assert d["dcoco:generation_tokens_total"] == sum(u.completion_tokens for u in usages)
     assert d["dcoco:prompt_tokens_total"] == sum(u.prompt_tokens for u in usages)
     done = sum(v for k, v in d.items() if k.startswith("dcoco:request_success_total"))
-    assert done == len(usages) == d["dcoco:e2e_request_latency_seconds_count"] == d["dcoco:time_to_first_token_seconds_count"]
+    assert (
+        done
+        == len(usages)
+        == d["dcoco:e2e_request_latency_seconds_count"]
+        == d["dcoco:time_to_first_token_seconds_count"]
+    )
     acc, drafted = d["dcoco:spec_decode_num_accepted_tokens_total"], d["dcoco:spec_decode_num_draft_tokens_total"]
     assert 0 <= acc <= drafted and 0 < d["dcoco:spec_decode_num_drafts_total"] <= drafted
     per_pos = [v for k, v in d.items() if k.startswith("dcoco:spec_decode_num_accepted_tokens_per_pos_total")]
     assert sum(per_pos) == acc
     assert 'dcoco:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in after or acc == 0
     text = httpx.get(server.url + "/metrics").text
-    for name in ("dcoco:spec_decode_num_drafts", "dcoco:spec_decode_num_draft_tokens", "dcoco:spec_decode_num_accepted_tokens",
-                 "dcoco:time_to_first_token_seconds", "dcoco:e2e_request_latency_seconds", "dcoco:num_requests_running"):
+    for name in (
+        "dcoco:spec_decode_num_drafts",
+        "dcoco:spec_decode_num_draft_tokens",
+        "dcoco:spec_decode_num_accepted_tokens",
+        "dcoco:time_to_first_token_seconds",
+        "dcoco:e2e_request_latency_seconds",
+        "dcoco:num_requests_running",
+    ):
         assert f"# TYPE {name} " in text
 
 
@@ -279,14 +345,19 @@ def test_queue_full_gives_503(tiny_dir):
     with ServerThread(create_app(engine, "tiny", max_queue=1)) as srv:
         long = {"model": "tiny", "prompt": "a", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
         box = {}
-        t1 = threading.Thread(target=lambda: box.setdefault("a", httpx.post(srv.url + "/v1/completions", json=long, timeout=60)))
+        t1 = threading.Thread(
+            target=lambda: box.setdefault("a", httpx.post(srv.url + "/v1/completions", json=long, timeout=60))
+        )
         t1.start()
         deadline = time.monotonic() + 10
         while httpx.get(srv.url + "/health").json()["running"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        t2 = threading.Thread(target=lambda: box.setdefault("b", httpx.post(srv.url + "/v1/completions",
-                                                                            json=dict(long, max_tokens=3), timeout=60)))
+        t2 = threading.Thread(
+            target=lambda: box.setdefault(
+                "b", httpx.post(srv.url + "/v1/completions", json=dict(long, max_tokens=3), timeout=60)
+            )
+        )
         t2.start()
         while httpx.get(srv.url + "/health").json()["waiting"] < 1:
             assert time.monotonic() < deadline
@@ -303,8 +374,10 @@ def test_tokens_in_flight_bound(tiny_dir):
     with ServerThread(create_app(engine, "tiny", max_tokens_in_flight=300)) as srv:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
         res = []
-        threads = [threading.Thread(target=lambda: res.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=60)))
-                   for _ in range(3)]
+        threads = [
+            threading.Thread(target=lambda: res.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=60)))
+            for _ in range(3)
+        ]
         for t in threads:
             t.start()
         most = 0
@@ -354,14 +427,24 @@ def test_one_failing_request_does_not_affect_others(tiny_dir, offline):
         m = metrics(srv)
         assert m['dcoco:request_success_total{finished_reason="error"}'] == 1
         assert wait_idle(srv)["status"] == "ok"  # and the server keeps serving
-        assert client(srv).completions.create(model="tiny", prompt=good[0], max_tokens=16, temperature=0).choices[0].text == want[0].text
+        assert (
+            client(srv).completions.create(model="tiny", prompt=good[0], max_tokens=16, temperature=0).choices[0].text
+            == want[0].text
+        )
 
 
 def test_shutdown_drains_in_flight_requests(tiny_dir):
     engine = build_engine(model=tiny_dir, dtype="float32", method="ngram", num_speculative_tokens=K)
     srv = ServerThread(create_app(engine, "tiny")).start()
-    body = {"model": "tiny", "prompt": "Drain me", "max_tokens": 150, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "Drain me",
+        "max_tokens": 150,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     stopper = None
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         events = []
@@ -423,8 +506,12 @@ def test_load_aware_drafting_is_lossless():
     assert stats.acceptance_length > 1.0
     # sampling under the policy: each request's own RNG keeps it reproducible
     sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=10) for i in range(6)]
-    a, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size), 5, draft_policy=policy).generate(prompts, sps)
-    b, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size), 5, draft_policy=policy).generate(prompts, sps)
+    a, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size), 5, draft_policy=policy).generate(
+        prompts, sps
+    )
+    b, _ = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size), 5, draft_policy=policy).generate(
+        prompts, sps
+    )
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
@@ -432,9 +519,31 @@ def test_load_aware_drafting_is_lossless():
 def test_cli_serve_arguments(capsys):
     from dcoco.cli import build_parser, main
 
-    args = build_parser().parse_args(["serve", "--method", "ngram", "--port", "8123", "--load-aware", "--max-batch-size", "4",
-                                      "--max-queue", "9", "--num-speculative-tokens", "3", "--dtype", "float32"])
-    assert (args.command, args.port, args.load_aware, args.max_batch_size, args.max_queue) == ("serve", 8123, True, 4, 9)
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--method",
+            "ngram",
+            "--port",
+            "8123",
+            "--load-aware",
+            "--max-batch-size",
+            "4",
+            "--max-queue",
+            "9",
+            "--num-speculative-tokens",
+            "3",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert (args.command, args.port, args.load_aware, args.max_batch_size, args.max_queue) == (
+        "serve",
+        8123,
+        True,
+        4,
+        9,
+    )
     assert main(["serve", "--max-queue", "0"]) == 2
     assert "--max-queue must be >= 1" in capsys.readouterr().err
 
@@ -443,9 +552,31 @@ def test_loadgen_smoke(server, tiny_dir, tmp_path):
     from dcoco.serve import loadgen
 
     out = tmp_path / "lg"
-    rc = loadgen.main(["--url", server.url, "--concurrency", "1,2", "--num-requests", "3", "--max-tokens", "6",
-                       "--out", str(out), "--offline", "--model", tiny_dir, "--dtype", "float32",
-                       "--num-speculative-tokens", str(K), "--offline-variants", "fixed,load-aware", "--label", "test"])
+    rc = loadgen.main(
+        [
+            "--url",
+            server.url,
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "3",
+            "--max-tokens",
+            "6",
+            "--out",
+            str(out),
+            "--offline",
+            "--model",
+            tiny_dir,
+            "--dtype",
+            "float32",
+            "--num-speculative-tokens",
+            str(K),
+            "--offline-variants",
+            "fixed,load-aware",
+            "--label",
+            "test",
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "loadgen.json").read_text())
     modes = {(r["mode"], r["concurrency"]) for r in res["rows"]}
@@ -455,8 +586,28 @@ def test_loadgen_smoke(server, tiny_dir, tmp_path):
     assert "| server | 2 |" in (out / "loadgen.md").read_text()
     # a second (offline vanilla) run, then both combined into one sweep table and plot
     van = tmp_path / "van"
-    assert loadgen.main(["--concurrency", "1,2", "--num-requests", "3", "--max-tokens", "6", "--out", str(van), "--offline",
-                         "--model", tiny_dir, "--dtype", "float32", "--offline-variants", "vanilla"]) == 0
+    assert (
+        loadgen.main(
+            [
+                "--concurrency",
+                "1,2",
+                "--num-requests",
+                "3",
+                "--max-tokens",
+                "6",
+                "--out",
+                str(van),
+                "--offline",
+                "--model",
+                tiny_dir,
+                "--dtype",
+                "float32",
+                "--offline-variants",
+                "vanilla",
+            ]
+        )
+        == 0
+    )
     assert loadgen.main(["--compare", f"{out},{van}", "--out", str(tmp_path / "cmp")]) == 0
     md = (tmp_path / "cmp" / "sweep.md").read_text()
     assert "| test (HTTP) |" in md and "| test (offline-load-aware) |" in md and "| vanilla (offline engine) |" in md

@@ -49,18 +49,40 @@ def test_chat_template_and_eos(smollm):
 
 
 def test_stop_string(smollm):
-    out = LLM(target=smollm).generate("Count from 1 to 20, separated by commas.", SamplingParams(max_tokens=80, stop=["7"]))[0]
+    out = LLM(target=smollm).generate(
+        "Count from 1 to 20, separated by commas.", SamplingParams(max_tokens=80, stop=["7"])
+    )[0]
     assert "7" not in out.text and out.finish_reason == "stop"
 
 
 def test_cli_generate_json(capsys):
-    code = main(["generate", "--prompt", "Say hello.", "--method", "ngram", "--max-new-tokens", "12", "--json", "--dtype", "float32"])
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "Say hello.",
+            "--method",
+            "ngram",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--dtype",
+            "float32",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     obj = json.loads(out.strip().splitlines()[-1])
     assert set(obj) >= {"text", "token_ids", "stats"}
-    assert set(obj["stats"]) == {"output_tokens", "wall_s", "tokens_per_second", "verify_passes",
-                                 "acceptance_length", "acceptance_rate", "per_position_acceptance"}
+    assert set(obj["stats"]) == {
+        "output_tokens",
+        "wall_s",
+        "tokens_per_second",
+        "verify_passes",
+        "acceptance_length",
+        "acceptance_rate",
+        "per_position_acceptance",
+    }
     assert obj["stats"]["output_tokens"] == len(obj["token_ids"]) <= 12
 
 
@@ -95,11 +117,27 @@ def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
     sp = SamplingParams(max_tokens=40)
     prompt = smollm.encode(PROMPTS[0])
     [out], stats = SpeculativeEngine(smollm, drafter).generate([prompt], sp)
-    regenerate(smollm, [Prompt(id="p", messages=prompt)], tmp_path / "data", 1, taps=[smollm.num_layers], sampling=sp,
-               progress=False, features=False)
-    cfg = load_config(f"configs/{method}_smollm2.yaml", [
-        f"data.path={tmp_path / 'data'}", "data.features=online", "data.eval_permille=0", "optim.autocast_bf16=false",
-        f"run.out={tmp_path / 'run'}", f"drafter.init_from={shipped_checkpoint(method)}"])
+    regenerate(
+        smollm,
+        [Prompt(id="p", messages=prompt)],
+        tmp_path / "data",
+        1,
+        taps=[smollm.num_layers],
+        sampling=sp,
+        progress=False,
+        features=False,
+    )
+    cfg = load_config(
+        f"configs/{method}_smollm2.yaml",
+        [
+            f"data.path={tmp_path / 'data'}",
+            "data.features=online",
+            "data.eval_permille=0",
+            "optim.autocast_bf16=false",
+            f"run.out={tmp_path / 'run'}",
+            f"drafter.init_from={shipped_checkpoint(method)}",
+        ],
+    )
     tr = Trainer(cfg, smollm, RegeneratedData(tmp_path / "data"))
     [smp] = tr.train_samples
     assert smp["input_ids"] == prompt + out.token_ids
@@ -110,10 +148,12 @@ def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
     k = drafter.default_num_tokens
     assert blocks and len(blocks) == stats.verify_passes
     for anchor, drafted in blocks:
-        mine, labels = pred[anchor - smp["prompt_len"], : len(drafted)].tolist(), b.labels[0, anchor - smp["prompt_len"]].tolist()
+        mine, labels = (
+            pred[anchor - smp["prompt_len"], : len(drafted)].tolist(),
+            b.labels[0, anchor - smp["prompt_len"]].tolist(),
+        )
         hits = [next((i for i, (d, y) in enumerate(zip(ds, labels)) if d != y), len(ds)) for ds in (mine, drafted)]
         assert hits[0] == hits[1], (anchor, mine, drafted, labels)
         if method not in ("dspark", "eagle3"):  # a chain teacher-forced on the tokens parts from inference after a miss
             assert mine == drafted, (anchor, mine, drafted)
     assert decode_acceptance(pred, b.labels[0], k)[0] == stats.verify_passes
-

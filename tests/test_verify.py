@@ -14,8 +14,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from conftest import chi_square_pvalue
+
 from dcoco.sampling import SamplingParams, make_generator, probabilities
 from dcoco.verify import verify
 
@@ -70,8 +70,15 @@ def exact_joint(target: Toy, sp: SamplingParams, depth: int) -> dict[tuple, floa
     return out
 
 
-def simulate(target: Toy, q_table: torch.Tensor, sp: SamplingParams, depth: int = 3, gamma: int = 2,
-             one_hot: bool = False, seed: int = 0):
+def simulate(
+    target: Toy,
+    q_table: torch.Tensor,
+    sp: SamplingParams,
+    depth: int = 3,
+    gamma: int = 2,
+    one_hot: bool = False,
+    seed: int = 0,
+):
     """Speculative decoding of `depth` tokens for N independent rows; returns the emitted prefixes.
 
     `q_table` holds the draft distribution for every prefix, indexed like `target.table`."""
@@ -102,8 +109,9 @@ def simulate(target: Toy, q_table: torch.Tensor, sp: SamplingParams, depth: int 
             tok = q.argmax(-1) if one_hot else torch.multinomial(q, 1, generator=rng).squeeze(1)
             drafts[:, k] = tok
             code = code * V + tok
-        res = verify(tl, drafts, torch.full((n,), gamma), [sp] * n, [gens[i] for i in rows.tolist()],
-                     None if one_hot else qs)
+        res = verify(
+            tl, drafts, torch.full((n,), gamma), [sp] * n, [gens[i] for i in rows.tolist()], None if one_hot else qs
+        )
         for r, (i, em) in enumerate(zip(rows.tolist(), res.emitted(drafts))):
             em = em[: depth - int(lens[i])]
             seqs[i, lens[i] : lens[i] + len(em)] = torch.tensor(em)
@@ -123,12 +131,20 @@ CASES = {
     # name: (seed, q table from (target, draft), sampling params, one-hot draft)
     "general": (1, lambda t, d: torch.softmax(d.table, -1), SamplingParams(temperature=1.0), False),
     "p_equals_q": (2, lambda t, d: torch.softmax(t.table, -1), SamplingParams(temperature=1.0), False),
-    "q_zero_somewhere": (3, lambda t, d: _normalise(torch.softmax(d.table, -1) * torch.tensor([0.0, 1, 1, 1])),
-                         SamplingParams(temperature=1.0), False),
+    "q_zero_somewhere": (
+        3,
+        lambda t, d: _normalise(torch.softmax(d.table, -1) * torch.tensor([0.0, 1, 1, 1])),
+        SamplingParams(temperature=1.0),
+        False,
+    ),
     # the target keeps its top-2 tokens; the draft puts all its mass on the other two
     "disjoint_supports": (4, _outside_top2, SamplingParams(temperature=1.0, top_k=2), False),
-    "top_k_top_p_temperature": (5, lambda t, d: torch.softmax(d.table, -1),
-                                SamplingParams(temperature=0.7, top_k=3, top_p=0.8), False),
+    "top_k_top_p_temperature": (
+        5,
+        lambda t, d: torch.softmax(d.table, -1),
+        SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
+        False,
+    ),
     "one_hot_draft": (6, lambda t, d: torch.softmax(d.table, -1), SamplingParams(temperature=1.0), True),
     "one_hot_top_p": (7, lambda t, d: torch.softmax(t.table, -1), SamplingParams(temperature=1.3, top_p=0.9), True),
 }

@@ -1,9 +1,9 @@
 """The Python API, shaped like vLLM's offline `LLM`:
 
-    from dcoco import LLM, SamplingParams
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
-    out = llm.generate(["Write a haiku about rain."], SamplingParams(temperature=0, max_tokens=64))
-    print(out[0].text, out[0].stats.acceptance_length)
+from dcoco import LLM, SamplingParams
+llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+out = llm.generate(["Write a haiku about rain."], SamplingParams(temperature=0, max_tokens=64))
+print(out[0].text, out[0].stats.acceptance_length)
 """
 
 from __future__ import annotations

@@ -15,8 +15,10 @@ from .errors import DcocoError, InvalidPromptError
 
 # MT-Bench question 81, turn 1 (the benchmark's first prompt). The earlier code prompt sent the
 # 135M model into a repetition loop, which showed more about the model than about drafting.
-DEMO_PROMPT = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
-               "and must-see attractions.")
+DEMO_PROMPT = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+    "and must-see attractions."
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable: a batch)")
-    g.add_argument("--prompt-file", default=None, help="a text file holding one prompt ('-' for stdin), or a .jsonl with a 'prompt' field per line")
+    g.add_argument(
+        "--prompt-file",
+        default=None,
+        help="a text file holding one prompt ('-' for stdin), or a .jsonl with a 'prompt' field per line",
+    )
     g.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     g.add_argument("--json", action="store_true", help="print a JSON object per prompt on stdout")
     _add_model_args(g)
@@ -69,27 +75,58 @@ def build_parser() -> argparse.ArgumentParser:
         "results.md and PNG plots to --out. Lists are comma-separated. Re-running with the same --out skips "
         "the rows already measured. Explicit flags override --preset values.",
     )
-    b.add_argument("--preset", default=None, metavar="NAME", help="a named configuration: readme (the README headline table)")
-    b.add_argument("--methods", default=None, metavar="LIST",
-                   help="dcoco methods (vanilla, ngram and the available trained drafters), peers (hf_generate, "
-                   "hf_prompt_lookup, hf_assisted, llamacpp), or all (default: the engine methods + hf_generate,hf_prompt_lookup)")
-    b.add_argument("--datasets", default=None, metavar="LIST", help="mtbench (both turns), mtbench_turn1, humaneval, sharegpt and/or .jsonl files (default: mtbench, humaneval, sharegpt)")
+    b.add_argument(
+        "--preset", default=None, metavar="NAME", help="a named configuration: readme (the README headline table)"
+    )
+    b.add_argument(
+        "--methods",
+        default=None,
+        metavar="LIST",
+        help="dcoco methods (vanilla, ngram and the available trained drafters), peers (hf_generate, "
+        "hf_prompt_lookup, hf_assisted, llamacpp), or all (default: the engine methods + hf_generate,hf_prompt_lookup)",
+    )
+    b.add_argument(
+        "--datasets",
+        default=None,
+        metavar="LIST",
+        help="mtbench (both turns), mtbench_turn1, humaneval, sharegpt and/or .jsonl files (default: mtbench, humaneval, sharegpt)",
+    )
     b.add_argument("--temperatures", default=None, metavar="LIST", help="default 0,1")
     b.add_argument("--seeds", default=None, metavar="LIST", help="seeds for T > 0, one row each (default 42,43,44)")
-    b.add_argument("--concurrency", default=None, metavar="LIST", help="requests in flight in dcoco's engine (default 1); peers run at 1 only")
-    b.add_argument("--num-prompts", default=None, metavar="N", help="the first N prompts of each dataset in file order, or 'all' "
-                   "(default 10; MT-Bench: N questions, both turns)")
+    b.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LIST",
+        help="requests in flight in dcoco's engine (default 1); peers run at 1 only",
+    )
+    b.add_argument(
+        "--num-prompts",
+        default=None,
+        metavar="N",
+        help="the first N prompts of each dataset in file order, or 'all' "
+        "(default 10; MT-Bench: N questions, both turns)",
+    )
     b.add_argument("--max-new-tokens", default=None, metavar="N", help="default 256")
-    b.add_argument("--num-speculative-tokens", default=None, metavar="K", help="draft tokens per pass (default: each drafter's)")
+    b.add_argument(
+        "--num-speculative-tokens", default=None, metavar="K", help="draft tokens per pass (default: each drafter's)"
+    )
     b.add_argument("--top-k", default=None, metavar="K", help="for T > 0 (default 0: off)")
     b.add_argument("--top-p", default=None, metavar="P", help="for T > 0 (default 1.0: off)")
-    b.add_argument("--model", default=None, metavar="DIR", help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument(
+        "--model", default=None, metavar="DIR", help="HF model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
     b.add_argument("--dtype", default=None, metavar="DTYPE", help="default bfloat16; float32 for exactness")
     b.add_argument("--device", default=None, metavar="DEVICE", help="cpu (default), cuda, ...")
     b.add_argument("--threads", default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
-    b.add_argument("--drafters", default=None, metavar="LIST",
-                   help="drafter checkpoints as METHOD=DIR,... (default: the shipped ones; a trained method without one is unavailable)")
-    b.add_argument("--out", default=None, metavar="DIR", help="output directory (default bench-results/run, or the preset's)")
+    b.add_argument(
+        "--drafters",
+        default=None,
+        metavar="LIST",
+        help="drafter checkpoints as METHOD=DIR,... (default: the shipped ones; a trained method without one is unavailable)",
+    )
+    b.add_argument(
+        "--out", default=None, metavar="DIR", help="output directory (default bench-results/run, or the preset's)"
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     dt = sub.add_parser("data", help="training data: regenerate answers (and target features) with the target")
@@ -98,12 +135,19 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--out", required=True, help="data directory (created; a rerun resumes and extends it)")
     rg.add_argument("--source", default="sharegpt", help="'sharegpt' (the training split) or a ShareGPT-format .jsonl")
     rg.add_argument("--num-samples", type=int, required=True, help="total samples wanted in --out")
-    rg.add_argument("--from-end", action="store_true",
-                    help="take prompts from the end of the source: a second process run side by side (one per core) "
-                         "into another --out gets disjoint prompts; train on both directories (data.path: [A, B])")
-    rg.add_argument("--shard", default=None, metavar="I/N",
-                    help="take every N-th prompt starting at the I-th (0-based): N processes (or GPUs) with shards "
-                         "0/N .. N-1/N into N --out directories answer disjoint prompts")
+    rg.add_argument(
+        "--from-end",
+        action="store_true",
+        help="take prompts from the end of the source: a second process run side by side (one per core) "
+        "into another --out gets disjoint prompts; train on both directories (data.path: [A, B])",
+    )
+    rg.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="take every N-th prompt starting at the I-th (0-based): N processes (or GPUs) with shards "
+        "0/N .. N-1/N into N --out directories answer disjoint prompts",
+    )
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     rg.add_argument("--temperature", type=float, default=0.0)
@@ -111,8 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     rg.add_argument("--seed", type=int, default=0, help="sampling seed at T > 0 (sample i uses seed + i)")
     rg.add_argument("--num-features", type=int, default=5, help="target layers to tap (evenly spaced, DFlash default)")
     rg.add_argument("--batch-size", type=int, default=48)
-    rg.add_argument("--no-features", action="store_true",
-                    help="keep only the tokens, not the target features (for data.features=online training)")
+    rg.add_argument(
+        "--no-features",
+        action="store_true",
+        help="keep only the tokens, not the target features (for data.features=online training)",
+    )
     _add_model_args(rg)
 
     tr = sub.add_parser("train", help="train a drafter from a YAML config (resumes from its run directory)")
@@ -139,15 +186,28 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     _add_model_args(sv)
     _add_spec_args(sv, default_method="ngram")
-    sv.add_argument("--served-model-name", default=None, help="model name clients use (default: the model directory's name)")
+    sv.add_argument(
+        "--served-model-name", default=None, help="model name clients use (default: the model directory's name)"
+    )
     sv.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together (the rest wait)")
     sv.add_argument("--max-queue", type=int, default=256, help="requests waiting to join the batch; beyond it: 503")
-    sv.add_argument("--max-tokens-in-flight", type=int, default=None,
-                    help="join the batch only while the batch's prompt + max_tokens sum stays under N (default: no bound)")
-    sv.add_argument("--default-max-tokens", type=int, default=None,
-                    help="chat max_tokens when a request gives none (default: the rest of the context)")
-    sv.add_argument("--load-aware", action="store_true",
-                    help="shorten the draft block as the batch grows (k = min(K, budget // batch - 1); 0 = plain decoding)")
+    sv.add_argument(
+        "--max-tokens-in-flight",
+        type=int,
+        default=None,
+        help="join the batch only while the batch's prompt + max_tokens sum stays under N (default: no bound)",
+    )
+    sv.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="chat max_tokens when a request gives none (default: the rest of the context)",
+    )
+    sv.add_argument(
+        "--load-aware",
+        action="store_true",
+        help="shorten the draft block as the batch grows (k = min(K, budget // batch - 1); 0 = plain decoding)",
+    )
     sv.add_argument("--draft-token-budget", type=int, default=32, help="tokens per verification pass for --load-aware")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
@@ -212,8 +272,12 @@ def cmd_generate(args) -> int:
 
     prompts = _read_prompts(args)
     sp = SamplingParams.make(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_tokens=args.max_new_tokens, stop=args.stop,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_new_tokens,
+        stop=args.stop,
     )
     cfg = SpeculativeConfig.parse(_spec_config(args))
     _setup(args)
@@ -222,15 +286,33 @@ def cmd_generate(args) -> int:
     for o in outs:
         if args.json:
             stats = o.stats.to_dict()
-            keep = ("output_tokens", "wall_s", "tokens_per_second", "verify_passes", "acceptance_length",
-                    "acceptance_rate", "per_position_acceptance")
-            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                              "stats": {k: stats[k] for k in keep}}))
+            keep = (
+                "output_tokens",
+                "wall_s",
+                "tokens_per_second",
+                "verify_passes",
+                "acceptance_length",
+                "acceptance_rate",
+                "per_position_acceptance",
+            )
+            print(
+                json.dumps(
+                    {
+                        "text": o.text,
+                        "token_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                        "stats": {k: stats[k] for k in keep},
+                    }
+                )
+            )
         else:
             print(o.text)
     s = llm.last_stats
-    print(f"[{cfg.method}] {s.output_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_second:.1f} tok/s, "
-          f"acceptance length {s.acceptance_length:.2f}, acceptance rate {s.acceptance_rate:.2f}", file=sys.stderr)
+    print(
+        f"[{cfg.method}] {s.output_tokens} tokens in {s.wall_s:.2f}s = {s.tokens_per_second:.1f} tok/s, "
+        f"acceptance length {s.acceptance_length:.2f}, acceptance rate {s.acceptance_rate:.2f}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -240,8 +322,11 @@ def cmd_demo(args) -> int:
 
     _setup(args)
     prompt = args.prompt or DEMO_PROMPT
-    print(f"dcoco demo: target {args.model or 'SmolLM2-135M-Instruct (embedded)'}, {args.dtype}, {args.device}, "
-          f"method {args.method}", file=sys.stderr)
+    print(
+        f"dcoco demo: target {args.model or 'SmolLM2-135M-Instruct (embedded)'}, {args.dtype}, {args.device}, "
+        f"method {args.method}",
+        file=sys.stderr,
+    )
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     spec = _spec_config(args)
@@ -252,9 +337,11 @@ def cmd_demo(args) -> int:
     ss = llm.last_stats
     print(f"### prompt\n{prompt}\n### answer ({args.method})\n{out.text}\n")
     same = "identical to vanilla" if out.token_ids == van.token_ids else "DIFFERS from vanilla (bfloat16 numerics)"
-    print(f"vanilla {vs.tokens_per_second:.1f} tok/s | {args.method} {ss.tokens_per_second:.1f} tok/s | "
-          f"speedup {ss.tokens_per_second / max(vs.tokens_per_second, 1e-9):.2f}x | "
-          f"acceptance length {ss.acceptance_length:.2f} | {ss.output_tokens} tokens, output {same}")
+    print(
+        f"vanilla {vs.tokens_per_second:.1f} tok/s | {args.method} {ss.tokens_per_second:.1f} tok/s | "
+        f"speedup {ss.tokens_per_second / max(vs.tokens_per_second, 1e-9):.2f}x | "
+        f"acceptance length {ss.acceptance_length:.2f} | {ss.output_tokens} tokens, output {same}"
+    )
     return 0
 
 
@@ -294,16 +381,29 @@ def cmd_data(args) -> int:
         prompts = reversed(list(prompts))
     if shard is not None:
         prompts = itertools.islice(prompts, shard[0], None, shard[1])
-    sp = SamplingParams.make(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                             seed=None if args.temperature == 0 else args.seed)
+    sp = SamplingParams.make(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_new_tokens,
+        seed=None if args.temperature == 0 else args.seed,
+    )
     _setup(args)
     target = Target.from_pretrained(args.model, dtype=args.dtype, device=args.device)
     # DFlash-family taps, plus the last layer's output: distribution-matching losses (DSpark,
     # EAGLE-3) recompute the target's logits from it with the target's own final norm and LM head
     taps = sorted({i + 1 for i in default_target_layer_ids(target.num_layers, args.num_features)} | {target.num_layers})
-    regenerate(target, prompts, args.out, num_samples=args.num_samples, taps=taps, sampling=sp,
-               batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens,
-               source=args.source + (" (from the end)" if args.from_end else ""), features=not args.no_features)
+    regenerate(
+        target,
+        prompts,
+        args.out,
+        num_samples=args.num_samples,
+        taps=taps,
+        sampling=sp,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        source=args.source + (" (from the end)" if args.from_end else ""),
+        features=not args.no_features,
+    )
     return 0
 
 
@@ -342,8 +442,15 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
-COMMANDS = {"generate": cmd_generate, "demo": cmd_demo, "bench": cmd_bench, "data": cmd_data, "train": cmd_train,
-            "rl": cmd_rl, "serve": cmd_serve}
+COMMANDS = {
+    "generate": cmd_generate,
+    "demo": cmd_demo,
+    "bench": cmd_bench,
+    "data": cmd_data,
+    "train": cmd_train,
+    "rl": cmd_rl,
+    "serve": cmd_serve,
+}
 
 
 def _sigterm_as_interrupt(*_):

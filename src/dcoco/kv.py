@@ -169,7 +169,10 @@ class KVBatch:
                 continue
             k, v = layer.keys, layer.values
             gi = idx.view(B, 1, S2, 1)
-            layer.set(k.gather(2, gi.expand(B, k.shape[1], S2, k.shape[3])), v.gather(2, gi.expand(B, v.shape[1], S2, v.shape[3])))
+            layer.set(
+                k.gather(2, gi.expand(B, k.shape[1], S2, k.shape[3])),
+                v.gather(2, gi.expand(B, v.shape[1], S2, v.shape[3])),
+            )
 
     # -- batch membership -------------------------------------------------------------------
     def select(self, rows: torch.Tensor | list[int]) -> None:

@@ -198,7 +198,9 @@ class Target:
         tokens = tokens.to(self.device)
         position_ids, mask = kv.begin(num_tokens, tokens.shape[1], self.sliding_window)
         if self.config._attn_implementation != "sdpa" and self.config._attn_implementation != "flash_attention_2":
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, torch.finfo(self.dtype).min)
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~mask, torch.finfo(self.dtype).min
+            )
         self._captured = {}
         out = self.model(
             input_ids=tokens,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from parallel_harness import guarded, merge_ranks, metrics_of, run_job
 
 GRIDS = [(2, 2), (3, 1)]  # (P, W)
@@ -91,8 +90,9 @@ def reference(P, seed):
         for s in range(P):
             x, tap = stage_forward(s, x, target)
             taps.append(tap)
-        total = total + mb_loss(layer, mb, torch.cat(taps, 1), torch.arange(len(mb["anch"])),
-                                ZigzagLayout(mb["lens"], 1), None)
+        total = total + mb_loss(
+            layer, mb, torch.cat(taps, 1), torch.arange(len(mb["anch"])), ZigzagLayout(mb["lens"], 1), None
+        )
     total.backward()
     return float(total.detach()), {n: p.grad.clone() for n, p in layer.named_parameters()}
 
@@ -103,9 +103,20 @@ def run_grid(rank, P, W, seed):
     target, mbs = make_data(seed, P)
     cp_groups = [dist.new_group([s * W + c for c in range(W)]) for s in range(P)]
     rows = max(max(ZigzagLayout(mb["lens"], W).local_lens()) for mb in mbs)
-    taps = {(s, c): TapChannel(s * W + c, (P - 1) * W + c, (rows, F_DIM), torch.float64, num_slots=2,
-                               transport="p2p", timeout=60, name=f"tap[stage{s},cp{c}]")
-            for s in range(P - 1) for c in range(W)}
+    taps = {
+        (s, c): TapChannel(
+            s * W + c,
+            (P - 1) * W + c,
+            (rows, F_DIM),
+            torch.float64,
+            num_slots=2,
+            transport="p2p",
+            timeout=60,
+            name=f"tap[stage{s},cp{c}]",
+        )
+        for s in range(P - 1)
+        for c in range(W)
+    }
     out = {}
     if rank < P * W:
         stage, c = divmod(rank, W)

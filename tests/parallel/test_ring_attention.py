@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-
 from parallel_harness import guarded, merge_ranks, metrics_of, run_job
 
 GROUPS = {1: [3], 2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}

@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from parallel_harness import guarded, merge_ranks, metrics_of, run_job
 
 CONSUMER = 2
@@ -22,8 +21,9 @@ def check_interleaved(rank, transport):
     """Two taps + the schedule's own traffic on the world group, consumed out of order."""
     from dcoco.parallel import TapChannel
 
-    chans = [TapChannel(src, CONSUMER, (4, 3), torch.float64, num_slots=2, transport=transport, timeout=30)
-             for src in (0, 1)]
+    chans = [
+        TapChannel(src, CONSUMER, (4, 3), torch.float64, num_slots=2, transport=transport, timeout=30) for src in (0, 1)
+    ]
     n = 6
     ok = True
     if rank in (0, 1):
@@ -40,7 +40,7 @@ def check_interleaved(rank, transport):
                 sched = torch.zeros(1, dtype=torch.long)
                 dist.recv(sched, 0)
                 ok &= int(sched) == m
-            for m in order[i:i + 2]:
+            for m in order[i : i + 2]:
                 for src in (1, 0):
                     got = chans[src].recv(m)
                     ok &= torch.equal(got, payload(src, m, 1 + m % 4))

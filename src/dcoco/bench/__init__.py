@@ -14,4 +14,15 @@ from .config import PEERS, BenchConfig, config_from_args, make_config
 from .presets import PRESETS
 from .runner import KEY_FIELDS, ROW_KEYS, BenchRunner, derive, run_bench
 
-__all__ = ["KEY_FIELDS", "PEERS", "PRESETS", "ROW_KEYS", "BenchConfig", "BenchRunner", "config_from_args", "derive", "make_config", "run_bench"]
+__all__ = [
+    "KEY_FIELDS",
+    "PEERS",
+    "PRESETS",
+    "ROW_KEYS",
+    "BenchConfig",
+    "BenchRunner",
+    "config_from_args",
+    "derive",
+    "make_config",
+    "run_bench",
+]

@@ -138,8 +138,10 @@ def parse_drafters(value: Any) -> dict[str, str]:
     out = {}
     for method, path in items:
         if split_label(method)[0] not in METHODS or split_label(method)[0] in ("vanilla", "ngram"):
-            raise UnknownMethodError(f"--drafters: {method!r} is not a trained drafter method; choose from "
-                                     f"{', '.join(m for m in METHODS if m not in ('vanilla', 'ngram'))}")
+            raise UnknownMethodError(
+                f"--drafters: {method!r} is not a trained drafter method; choose from "
+                f"{', '.join(m for m in METHODS if m not in ('vanilla', 'ngram'))}"
+            )
         p = Path(path).expanduser().resolve()
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"--drafters: no drafter checkpoint (config.json) in {p}")
@@ -166,19 +168,25 @@ def resolve_methods(names: Sequence[str], with_checkpoint: Sequence[str] = ()) -
             if n in with_checkpoint or (base in avail and variant_options(n)):
                 out.append(n)
             elif base in avail:
-                raise UnknownMethodError(f"method {n!r}: unknown variant {tag!r} (dcoco knows kN, nocorrect, onehot, "
-                                         f"sampled, vocab; any other label needs --drafters {n}=DIR)")
+                raise UnknownMethodError(
+                    f"method {n!r}: unknown variant {tag!r} (dcoco knows kN, nocorrect, onehot, "
+                    f"sampled, vocab; any other label needs --drafters {n}=DIR)"
+                )
             else:
                 raise UnknownMethodError(f"method {n!r}: {base!r} is not available; available: {', '.join(avail)}")
         elif n in METHODS:
-            raise UnknownMethodError(f"method {n!r} is not available in this build; available: {', '.join(avail + list(PEERS))}")
+            raise UnknownMethodError(
+                f"method {n!r} is not available in this build; available: {', '.join(avail + list(PEERS))}"
+            )
         else:
             raise UnknownMethodError(f"unknown method {n!r}; choose from {', '.join(avail + list(PEERS))} or 'all'")
     out = list(dict.fromkeys(out))
     return [m for m in out if m not in PEERS] + [m for m in out if m in PEERS]
 
 
-def make_config(values: dict, preset_name: Optional[str] = None, command: str = "", progress: bool = True) -> BenchConfig:
+def make_config(
+    values: dict, preset_name: Optional[str] = None, command: str = "", progress: bool = True
+) -> BenchConfig:
     """Defaults, then the preset's values, then `values` (explicit flags; None means "not given")."""
     from .presets import preset
 
@@ -211,10 +219,20 @@ def make_config(values: dict, preset_name: Optional[str] = None, command: str = 
     return BenchConfig(
         methods=resolve_methods(split_list(merged["methods"], "methods"), with_checkpoint=list(drafters)),
         datasets=split_list(merged["datasets"], "datasets"),
-        temperatures=[t + 0.0 for t in _numbers(merged["temperatures"], "temperatures", float,
-                                                lambda t: math.isfinite(t) and t >= 0, "must be a finite number >= 0")],
+        temperatures=[
+            t + 0.0
+            for t in _numbers(
+                merged["temperatures"],
+                "temperatures",
+                float,
+                lambda t: math.isfinite(t) and t >= 0,
+                "must be a finite number >= 0",
+            )
+        ],
         seeds=_numbers(merged["seeds"], "seeds", int, lambda s: 0 <= s < 2**31, "must be in [0, 2^31)"),
-        concurrency=sorted(_numbers(merged["concurrency"], "concurrency", int, lambda c: 1 <= c <= 4096, "must be in [1, 4096]")),
+        concurrency=sorted(
+            _numbers(merged["concurrency"], "concurrency", int, lambda c: 1 <= c <= 4096, "must be in [1, 4096]")
+        ),
         num_prompts=num_prompts,
         max_new_tokens=max_new,
         dtype=merged["dtype"],
@@ -233,8 +251,24 @@ def make_config(values: dict, preset_name: Optional[str] = None, command: str = 
 
 
 #: `dcoco bench` options that map onto `make_config` values (None: not given on the command line)
-CLI_OPTIONS = ("methods", "datasets", "temperatures", "seeds", "concurrency", "num_prompts", "max_new_tokens",
-               "num_speculative_tokens", "top_k", "top_p", "model", "dtype", "device", "threads", "drafters", "out")
+CLI_OPTIONS = (
+    "methods",
+    "datasets",
+    "temperatures",
+    "seeds",
+    "concurrency",
+    "num_prompts",
+    "max_new_tokens",
+    "num_speculative_tokens",
+    "top_k",
+    "top_p",
+    "model",
+    "dtype",
+    "device",
+    "threads",
+    "drafters",
+    "out",
+)
 
 
 def command_line(args) -> str:
@@ -256,5 +290,9 @@ def command_line(args) -> str:
 def config_from_args(args) -> BenchConfig:
     """The `BenchConfig` for parsed `dcoco bench` arguments."""
     values = {k: getattr(args, k, None) for k in CLI_OPTIONS}
-    return make_config(values, preset_name=getattr(args, "preset", None), command=command_line(args),
-                       progress=not getattr(args, "no_progress", False))
+    return make_config(
+        values,
+        preset_name=getattr(args, "preset", None),
+        command=command_line(args),
+        progress=not getattr(args, "no_progress", False),
+    )

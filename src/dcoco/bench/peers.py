@@ -71,8 +71,15 @@ class HFPeer:
         self.pad = pad if pad is not None else (eos[0] if eos else 0)
 
     def _kwargs(self, temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> dict:
-        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=self.eos, pad_token_id=self.pad,
-                  use_cache=True, num_beams=1, repetition_penalty=1.0)
+        kw = dict(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+            use_cache=True,
+            num_beams=1,
+            repetition_penalty=1.0,
+        )
         if temperature > 0:
             kw.update(do_sample=True, temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         else:
@@ -105,7 +112,7 @@ class HFPeer:
                 with torch.inference_mode():
                     y = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
                 wall += time.perf_counter() - t0
-                outs.append([int(t) for t in y[0, x.shape[1]:].tolist()])
+                outs.append([int(t) for t in y[0, x.shape[1] :].tolist()])
                 if on_prompt is not None:
                     on_prompt(len(outs[-1]))
         finally:
@@ -134,22 +141,39 @@ class LlamaCppPeer:
             ) from None
         self.llama_cpp = llama_cpp
         try:
-            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=int(n_ctx), n_threads=int(n_threads),
-                                       n_threads_batch=int(n_threads), seed=0, verbose=False)
+            self.llm = llama_cpp.Llama(
+                model_path=str(gguf),
+                n_ctx=int(n_ctx),
+                n_threads=int(n_threads),
+                n_threads_batch=int(n_threads),
+                seed=0,
+                verbose=False,
+            )
         except Exception as e:
-            raise Unavailable(f"llamacpp: skipped - llama.cpp could not load {gguf.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise Unavailable(
+                f"llamacpp: skipped - llama.cpp could not load {gguf.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
         self.eos = set(target.eos_token_ids)
         try:
             self.eos.add(int(self.llm.token_eos()))
         except Exception:
             pass
 
-    def generate_one(self, ids: Sequence[int], temperature: float, top_k: int, top_p: float,
-                     seed: Optional[int], max_new_tokens: int) -> list[int]:
+    def generate_one(
+        self, ids: Sequence[int], temperature: float, top_k: int, top_p: float, seed: Optional[int], max_new_tokens: int
+    ) -> list[int]:
         self.llm.set_seed(int(seed) if seed is not None else 0)
         out: list[int] = []
-        for tok in self.llm.generate(list(ids), top_k=int(top_k), top_p=float(top_p), min_p=0.0, typical_p=1.0,
-                                     temp=float(temperature), repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate(
+            list(ids),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            min_p=0.0,
+            typical_p=1.0,
+            temp=float(temperature),
+            repeat_penalty=1.0,
+            reset=True,
+        ):
             out.append(int(tok))
             if int(tok) in self.eos or len(out) >= max_new_tokens:
                 break
@@ -186,13 +210,16 @@ def unavailable_reason(name: str, *, embedded: bool) -> Optional[str]:
 
             found = "llama_cpp" in sys.modules
         if not found:
-            return ("llamacpp: skipped - llama-cpp-python is not installed; install the optional extra with "
-                    "pip install 'dcoco[llamacpp]' (compiles llama.cpp)")
+            return (
+                "llamacpp: skipped - llama-cpp-python is not installed; install the optional extra with "
+                "pip install 'dcoco[llamacpp]' (compiles llama.cpp)"
+            )
     return None
 
 
-def make_peer(name: str, target: Target, *, embedded: bool, num_speculative_tokens: Optional[int],
-              n_ctx: int, threads: int):
+def make_peer(
+    name: str, target: Target, *, embedded: bool, num_speculative_tokens: Optional[int], n_ctx: int, threads: int
+):
     """Build a peer by name, or raise `Unavailable` with the note to record."""
     if name == "hf_generate":
         return HFPeer(target)

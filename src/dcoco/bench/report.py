@@ -67,8 +67,11 @@ def aggregate(rows: list[dict]) -> dict[tuple, dict]:
 
 def _orders(rows: list[dict], meta: dict) -> tuple[list[str], list[str], list[float], list[int]]:
     cfg = meta.get("config", {}) or {}
-    methods = list(dict.fromkeys([m for m in cfg.get("methods", []) if any(r["method"] == m for r in rows)]
-                                 + [r["method"] for r in rows]))
+    methods = list(
+        dict.fromkeys(
+            [m for m in cfg.get("methods", []) if any(r["method"] == m for r in rows)] + [r["method"] for r in rows]
+        )
+    )
     methods = [m for m in methods if m not in PEERS] + [m for m in methods if m in PEERS]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))  # results.json keeps the configured order
     temps = sorted({float(r["temperature"]) for r in rows})
@@ -109,8 +112,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"- Machine: {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs; torch threads "
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows})) or machine.get('torch_threads', '?')}; "
         f"device {', '.join(sorted({r['device'] for r in rows})) or machine.get('device', '?')}"
-        + ("" if "prepacked_weights" not in machine else
-           f"; bf16 weights prepacked for oneDNN: {'yes' if machine['prepacked_weights'] else 'no'}"),
+        + (
+            ""
+            if "prepacked_weights" not in machine
+            else f"; bf16 weights prepacked for oneDNN: {'yes' if machine['prepacked_weights'] else 'no'}"
+        ),
         f"- Target: {settings.get('model', '?')}; dtype {settings.get('dtype', '?')}; "
         f"max new tokens {settings.get('max_new_tokens', '?')}; draft tokens per pass "
         f"{'each drafter default' if k is None else k}; top-k {settings.get('top_k', 0)}, top-p {settings.get('top_p', 1.0)}",
@@ -125,8 +131,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for ds in datasets:
             ns = sorted({r["num_prompts"] for r in rows if r["dataset"] == ds})
             counts[ds] = "/".join(str(n) for n in ns)
-        L.append("- Prompts per dataset: " + ", ".join(f"{ds} {n}" for ds, n in counts.items())
-                 + f" (the first {settings.get('num_prompts') or 'all'} in file order; MT-Bench counts questions, both turns)")
+        L.append(
+            "- Prompts per dataset: "
+            + ", ".join(f"{ds} {n}" for ds, n in counts.items())
+            + f" (the first {settings.get('num_prompts') or 'all'} in file order; MT-Bench counts questions, both turns)"
+        )
     seeds_t = sorted({r["seed"] for r in rows if r["seed"] is not None})
     if seeds_t:
         L.append(f"- Seeds at T > 0: {', '.join(str(s) for s in seeds_t)} (figures are means over seeds)")
@@ -163,14 +172,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 msp = "" if not sps else f" ({mean(sps):.2f}×)"
                 body.append([m] + cells + [f"{mean(tps):.1f}{msp}"])
             if body:
-                short = {ds: n for ds in datasets
-                         for n in [min((a["num_prompts"] for k2, a in agg.items() if k2[1:] == (ds, t, c)), default=c)]
-                         if n < c}
+                short = {
+                    ds: n
+                    for ds in datasets
+                    for n in [min((a["num_prompts"] for k2, a in agg.items() if k2[1:] == (ds, t, c)), default=c)]
+                    if n < c
+                }
                 header = ["method"] + [ds + ("†" if ds in short else "") for ds in datasets] + ["mean"]
                 L += [f"### T = {t:g}, concurrency {c}", ""] + _table(header, body)
                 if short:
-                    L += [f"† fewer prompts than the concurrency: at most {', '.join(f'{n} ({ds})' for ds, n in short.items())} "
-                              "requests were in flight.", ""]
+                    L += [
+                        f"† fewer prompts than the concurrency: at most {', '.join(f'{n} ({ds})' for ds, n in short.items())} "
+                        "requests were in flight.",
+                        "",
+                    ]
 
     if 0.0 in temps:
         body = []
@@ -183,14 +198,22 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     continue
                 body.append([m, str(c)] + [_fmt(v) for v in vals] + [_fmt(_mean(vals))])
         if body:
-            L += ["## Greedy match with dcoco vanilla (T = 0)", "",
-                  "Share of prompts whose output token ids equal dcoco vanilla's at the same concurrency. "
-                  "In bfloat16 the numerics depend on the batch shape and block length, so only `--dtype float32` "
-                  "is an exactness check.", ""]
+            L += [
+                "## Greedy match with dcoco vanilla (T = 0)",
+                "",
+                "Share of prompts whose output token ids equal dcoco vanilla's at the same concurrency. "
+                "In bfloat16 the numerics depend on the batch shape and block length, so only `--dtype float32` "
+                "is an exactness check.",
+                "",
+            ]
             L += _table(["method", "concurrency"] + datasets + ["mean"], body)
 
-    L += ["## Acceptance length τ", "",
-          "τ = 1 + accepted / verification passes (1.0 for plain decoding); HF peers: counted target forwards.", ""]
+    L += [
+        "## Acceptance length τ",
+        "",
+        "τ = 1 + accepted / verification passes (1.0 for plain decoding); HF peers: counted target forwards.",
+        "",
+    ]
     for t in temps:
         body = []
         for m in methods:
@@ -212,14 +235,23 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     width = max(width, len(pp))
                     body.append((m, ds, t, c, pp))
     if body:
-        L += ["## Per-position acceptance", "",
-              "Share of verification passes whose i-th draft token was accepted (sums to τ − 1).", ""]
-        L += _table(["method", "dataset", "T", "concurrency"] + [str(i + 1) for i in range(width)],
-                    [[m, ds, f"{t:g}", str(c)] + [_fmt(pp[i]) if i < len(pp) else "–" for i in range(width)]
-                     for m, ds, t, c, pp in body])
+        L += [
+            "## Per-position acceptance",
+            "",
+            "Share of verification passes whose i-th draft token was accepted (sums to τ − 1).",
+            "",
+        ]
+        L += _table(
+            ["method", "dataset", "T", "concurrency"] + [str(i + 1) for i in range(width)],
+            [
+                [m, ds, f"{t:g}", str(c)] + [_fmt(pp[i]) if i < len(pp) else "–" for i in range(width)]
+                for m, ds, t, c, pp in body
+            ],
+        )
 
     sel = [r for r in rows if r.get("select_share") is not None]
     if sel:
+
         def row_id(r: dict, method: str) -> tuple:
             return method, r["dataset"], float(r["temperature"]), r.get("seed"), int(r["concurrency"])
 
@@ -228,21 +260,37 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for m in methods:
             for t in temps:
                 for c in concs:
-                    mine = [r for r in sel if r["method"] == m and float(r["temperature"]) == t and int(r["concurrency"]) == c]
+                    mine = [
+                        r
+                        for r in sel
+                        if r["method"] == m and float(r["temperature"]) == t and int(r["concurrency"]) == c
+                    ]
                     if not mine:
                         continue
                     vals = [r["select_share"] for r in mine]
                     # the same rows of plain DFlash, when measured: what selection costs DFlash itself
                     base = [(r["select_share"], share.get(row_id(r, "dflash"))) for r in mine]
                     net = [a - b for a, b in base if b is not None]
-                    body.append([m, f"{t:g}", str(c), f"{100 * mean(vals):.2f}%", f"{100 * max(vals):.2f}%",
-                                 f"{100 * mean(net):+.2f}%" if net and m != "dflash" else "–"])
-        L += ["## Token selection time (DCOCO's corrector overhead)", "",
-              "Share of the generation's wall time spent choosing the draft tokens from the drafter's logits: "
-              "argmax or sampling (DFlash), the Markov head (DSpark), shortlist + pair scores + left-to-right "
-              "walk (DCOCO); mean and worst row over datasets and seeds. `over dflash`: the mean difference "
-              "from DFlash's share on the same dataset, seed and concurrency, when DFlash ran too: the "
-              "corrector's own cost.", ""]
+                    body.append(
+                        [
+                            m,
+                            f"{t:g}",
+                            str(c),
+                            f"{100 * mean(vals):.2f}%",
+                            f"{100 * max(vals):.2f}%",
+                            f"{100 * mean(net):+.2f}%" if net and m != "dflash" else "–",
+                        ]
+                    )
+        L += [
+            "## Token selection time (DCOCO's corrector overhead)",
+            "",
+            "Share of the generation's wall time spent choosing the draft tokens from the drafter's logits: "
+            "argmax or sampling (DFlash), the Markov head (DSpark), shortlist + pair scores + left-to-right "
+            "walk (DCOCO); mean and worst row over datasets and seeds. `over dflash`: the mean difference "
+            "from DFlash's share on the same dataset, seed and concurrency, when DFlash ran too: the "
+            "corrector's own cost.",
+            "",
+        ]
         L += _table(["method", "T", "concurrency", "mean", "max", "over dflash"], body)
 
     L += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
@@ -270,7 +318,9 @@ def plot_speedup(rows: list[dict], meta: dict, path: Path) -> None:
     colors = _colors(methods)
     fig, axes = plt.subplots(2, len(temps), figsize=(max(8.0, 5.2 * len(temps)), 8.0), squeeze=False, sharex=True)
     for j, t in enumerate(temps):
-        for i, (field, ylabel) in enumerate((("tokens_per_second", "output tokens/s"), ("speedup_vs_vanilla", "speedup over vanilla"))):
+        for i, (field, ylabel) in enumerate(
+            (("tokens_per_second", "output tokens/s"), ("speedup_vs_vanilla", "speedup over vanilla"))
+        ):
             ax = axes[i][j]
             drawn = False
             for m in methods:
@@ -283,7 +333,9 @@ def plot_speedup(rows: list[dict], meta: dict, path: Path) -> None:
                 if not xs:
                     continue
                 drawn = True
-                style = dict(marker="s", linestyle="none", markersize=8) if m in PEERS else dict(marker="o", linewidth=2)
+                style = (
+                    dict(marker="s", linestyle="none", markersize=8) if m in PEERS else dict(marker="o", linewidth=2)
+                )
                 ax.plot(xs, ys, label=m, color=colors[m], **style)
             if not drawn:
                 _empty(ax)
@@ -319,8 +371,14 @@ def plot_per_position(rows: list[dict], meta: dict, path: Path) -> None:
                 if not pp:
                     continue
                 drawn = True
-                ax.plot(range(1, len(pp) + 1), pp, marker="o", color=colors[m], linestyle=styles[ti % len(styles)],
-                        label=f"{m}, T={t:g}")
+                ax.plot(
+                    range(1, len(pp) + 1),
+                    pp,
+                    marker="o",
+                    color=colors[m],
+                    linestyle=styles[ti % len(styles)],
+                    label=f"{m}, T={t:g}",
+                )
         if not drawn:
             _empty(ax, "no drafted tokens")
         ax.set_title(ds)
@@ -344,15 +402,26 @@ def plot_acceptance_length(rows: list[dict], meta: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(max(8.0, panel * len(temps)), 5.0), squeeze=False, sharey=True)
     for j, t in enumerate(temps):
         ax = axes[0][j]
-        shown = [m for m in methods if any(agg.get((m, ds, t, _min_conc(agg, m, t, concs)), {}).get("acceptance_length")
-                                           is not None for ds in datasets)]
+        shown = [
+            m
+            for m in methods
+            if any(
+                agg.get((m, ds, t, _min_conc(agg, m, t, concs)), {}).get("acceptance_length") is not None
+                for ds in datasets
+            )
+        ]
         width = 0.8 / max(1, len(shown))
         for i, m in enumerate(shown):
             c = _min_conc(agg, m, t, concs)
             vals = [agg.get((m, ds, t, c), {}).get("acceptance_length") for ds in datasets]
             xs = [d + (i - (len(shown) - 1) / 2) * width for d in range(len(datasets))]
-            bars = ax.bar([x for x, v in zip(xs, vals) if v is not None], [v for v in vals if v is not None],
-                          width=width, color=colors[m], label=m)
+            bars = ax.bar(
+                [x for x, v in zip(xs, vals) if v is not None],
+                [v for v in vals if v is not None],
+                width=width,
+                color=colors[m],
+                label=m,
+            )
             ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
         if not shown:
             _empty(ax)
@@ -369,8 +438,10 @@ def plot_acceptance_length(rows: list[dict], meta: dict, path: Path) -> None:
 def _subtitle(meta: dict) -> str:
     s = meta.get("settings", {}) or {}
     m = meta.get("machine", {}) or {}
-    return (f"{s.get('model', '?')}, {s.get('dtype', '?')}, max {s.get('max_new_tokens', '?')} new tokens\n"
-            f"{m.get('cpu', '?')}, {m.get('torch_threads', '?')} threads, commit {meta.get('git_commit', '?')}")
+    return (
+        f"{s.get('model', '?')}, {s.get('dtype', '?')}, max {s.get('max_new_tokens', '?')} new tokens\n"
+        f"{m.get('cpu', '?')}, {m.get('torch_threads', '?')} threads, commit {meta.get('git_commit', '?')}"
+    )
 
 
 def _finish(fig, axes, title: str, meta: dict, path: Path) -> None:

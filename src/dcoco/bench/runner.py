@@ -49,9 +49,24 @@ from .peers import Unavailable, unavailable_reason
 from .system import device_label, git_commit, machine_info
 
 ROW_KEYS = (
-    "method", "dataset", "temperature", "seed", "concurrency", "num_prompts", "output_tokens", "wall_s",
-    "tokens_per_second", "speedup_vs_vanilla", "acceptance_length", "acceptance_rate",
-    "per_position_acceptance", "greedy_match_rate", "device", "dtype", "threads", "git_commit",
+    "method",
+    "dataset",
+    "temperature",
+    "seed",
+    "concurrency",
+    "num_prompts",
+    "output_tokens",
+    "wall_s",
+    "tokens_per_second",
+    "speedup_vs_vanilla",
+    "acceptance_length",
+    "acceptance_rate",
+    "per_position_acceptance",
+    "greedy_match_rate",
+    "device",
+    "dtype",
+    "threads",
+    "git_commit",
 )
 OPTIONAL_ROW_KEYS = ("select_share",)  # block drafters: share of the wall time spent choosing draft tokens
 KEY_FIELDS = ("method", "dataset", "temperature", "seed", "concurrency")
@@ -60,7 +75,13 @@ WARMUP_TOKENS = 8
 
 def row_key(row: dict) -> tuple:
     t = float(row["temperature"])
-    return (row["method"], row["dataset"], t, None if row["seed"] is None else int(row["seed"]), int(row["concurrency"]))
+    return (
+        row["method"],
+        row["dataset"],
+        t,
+        None if row["seed"] is None else int(row["seed"]),
+        int(row["concurrency"]),
+    )
 
 
 def prompt_seed(seed: Optional[int], index: int) -> Optional[int]:
@@ -95,7 +116,7 @@ def plan(cfg: BenchConfig, datasets: list[str]) -> list[RowSpec]:
     rows = []
     for ds in datasets:
         for t in cfg.temperatures:
-            for seed in ([None] if t == 0 else cfg.seeds):
+            for seed in [None] if t == 0 else cfg.seeds:
                 for c in cfg.concurrency:
                     for m in cfg.methods:
                         if m in PEERS and c != 1:
@@ -182,8 +203,12 @@ class Outputs:
         return self.dir / f"{spec.slug}.json"
 
     def save(self, spec: RowSpec, prompts: list[Prompt], token_ids: list[list[int]], texts: list[str]) -> None:
-        obj = {"key": dict(zip(KEY_FIELDS, spec.key)), "prompts": [p.id for p in prompts],
-               "token_ids": token_ids, "texts": texts}
+        obj = {
+            "key": dict(zip(KEY_FIELDS, spec.key)),
+            "prompts": [p.id for p in prompts],
+            "token_ids": token_ids,
+            "texts": texts,
+        }
         write_json_atomic(self.path(spec), obj)
         self._cache[spec.slug] = token_ids
 
@@ -269,10 +294,13 @@ class BenchRunner:
             self.log(f"dcoco bench: {text}")
 
     def _write(self) -> None:
-        self.rows = sort_rows(derive(self.rows, self.outputs), self.cfg.methods,
-                              [dataset_name(d) for d in self.cfg.datasets])
-        write_json_atomic(self.out / "results.json", [{k: r.get(k) for k in ROW_KEYS + OPTIONAL_ROW_KEYS if k in ROW_KEYS or k in r}
-                                                        for r in self.rows])
+        self.rows = sort_rows(
+            derive(self.rows, self.outputs), self.cfg.methods, [dataset_name(d) for d in self.cfg.datasets]
+        )
+        write_json_atomic(
+            self.out / "results.json",
+            [{k: r.get(k) for k in ROW_KEYS + OPTIONAL_ROW_KEYS if k in ROW_KEYS or k in r} for r in self.rows],
+        )
         self.meta["notes"] = list(dict.fromkeys(self.meta.get("notes", []) + self.notes))
         write_json_atomic(self.out / "run.json", self.meta)
 
@@ -295,7 +323,9 @@ class BenchRunner:
         if self.target is None:
             from ..target import Target
 
-            self.log(f"dcoco bench: loading {self.cfg.model or 'SmolLM2-135M-Instruct (embedded)'} ({self.cfg.dtype}, {self.cfg.device})")
+            self.log(
+                f"dcoco bench: loading {self.cfg.model or 'SmolLM2-135M-Instruct (embedded)'} ({self.cfg.dtype}, {self.cfg.device})"
+            )
             self.target = Target.from_pretrained(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         return self.target
 
@@ -306,7 +336,9 @@ class BenchRunner:
             try:
                 self.target.check_fits(len(x), self.cfg.max_new_tokens)
             except PromptTooLongError:
-                self.note(f"{p.dataset}: skipped prompt {p.id} ({len(x)} tokens + {self.cfg.max_new_tokens} new exceed the context)")
+                self.note(
+                    f"{p.dataset}: skipped prompt {p.id} ({len(x)} tokens + {self.cfg.max_new_tokens} new exceed the context)"
+                )
                 continue
             keep.append(p)
             ids.append(x)
@@ -341,9 +373,14 @@ class BenchRunner:
 
         if method not in self._drafters:
             base = split_label(method)[0]
-            cfg = SpeculativeConfig.parse({"method": base, **variant_options(method),
-                                           "model": self.cfg.drafters.get(method, self.cfg.drafters.get(base)),
-                                           "num_speculative_tokens": self.cfg.num_speculative_tokens})
+            cfg = SpeculativeConfig.parse(
+                {
+                    "method": base,
+                    **variant_options(method),
+                    "model": self.cfg.drafters.get(method, self.cfg.drafters.get(base)),
+                    "num_speculative_tokens": self.cfg.num_speculative_tokens,
+                }
+            )
             self._drafters[method] = load_drafter(cfg, self.target)
         return SpeculativeEngine(self.target, self._drafters[method], self.cfg.num_speculative_tokens, concurrency)
 
@@ -352,9 +389,12 @@ class BenchRunner:
 
         if method not in self._peers:
             self._peers[method] = make_peer(
-                method, self.target, embedded=self.cfg.model is None,
+                method,
+                self.target,
+                embedded=self.cfg.model is None,
                 num_speculative_tokens=self.cfg.num_speculative_tokens,
-                n_ctx=min(self.target.max_context, 8192), threads=torch.get_num_threads(),
+                n_ctx=min(self.target.max_context, 8192),
+                threads=torch.get_num_threads(),
             )
         return self._peers[method]
 
@@ -362,8 +402,13 @@ class BenchRunner:
         from ..sampling import SamplingParams
 
         return [
-            SamplingParams.make(temperature=spec.temperature, top_k=self.cfg.top_k, top_p=self.cfg.top_p,
-                                seed=prompt_seed(spec.seed, i), max_tokens=self.cfg.max_new_tokens)
+            SamplingParams.make(
+                temperature=spec.temperature,
+                top_k=self.cfg.top_k,
+                top_p=self.cfg.top_p,
+                seed=prompt_seed(spec.seed, i),
+                max_tokens=self.cfg.max_new_tokens,
+            )
             for i in range(n)
         ]
 
@@ -387,24 +432,45 @@ class BenchRunner:
         if bar is not None and self.cfg.progress and sys.stderr.isatty():
             from tqdm import tqdm
 
-            inner = tqdm(total=len(ids) * self.cfg.max_new_tokens, unit="tok", desc=spec.label(), leave=False, position=1)
+            inner = tqdm(
+                total=len(ids) * self.cfg.max_new_tokens, unit="tok", desc=spec.label(), leave=False, position=1
+            )
         base = {
-            "method": spec.method, "dataset": spec.dataset, "temperature": spec.temperature, "seed": spec.seed,
-            "concurrency": spec.concurrency, "num_prompts": len(ids), "speedup_vs_vanilla": None,
-            "greedy_match_rate": None, "device": device_label(self.cfg.device), "dtype": self.cfg.dtype,
-            "threads": torch.get_num_threads(), "git_commit": self.git_commit,
+            "method": spec.method,
+            "dataset": spec.dataset,
+            "temperature": spec.temperature,
+            "seed": spec.seed,
+            "concurrency": spec.concurrency,
+            "num_prompts": len(ids),
+            "speedup_vs_vanilla": None,
+            "greedy_match_rate": None,
+            "device": device_label(self.cfg.device),
+            "dtype": self.cfg.dtype,
+            "threads": torch.get_num_threads(),
+            "git_commit": self.git_commit,
         }
         try:
             if spec.method in PEERS:
                 peer = self._peer(spec.method)
                 self._warmup(spec.method, ids[0], peer)
                 seeds = [prompt_seed(spec.seed, i) for i in range(len(ids))]
-                res: PeerRun = peer.generate(ids, spec.temperature, self.cfg.top_k, self.cfg.top_p, seeds,
-                                             self.cfg.max_new_tokens, on_prompt=inner.update if inner is not None else None)
+                res: PeerRun = peer.generate(
+                    ids,
+                    spec.temperature,
+                    self.cfg.top_k,
+                    self.cfg.top_p,
+                    seeds,
+                    self.cfg.max_new_tokens,
+                    on_prompt=inner.update if inner is not None else None,
+                )
                 token_ids, wall, tokens = res.token_ids, res.wall_s, res.output_tokens
                 tau = res.acceptance_length
-                row = dict(base, acceptance_length=None if tau is None else round(tau, 4), acceptance_rate=None,
-                           per_position_acceptance=None)
+                row = dict(
+                    base,
+                    acceptance_length=None if tau is None else round(tau, 4),
+                    acceptance_rate=None,
+                    per_position_acceptance=None,
+                )
                 texts = [self.target.decode(t) for t in token_ids]
             else:
                 self._warmup(spec.method, ids[0])
@@ -427,8 +493,11 @@ class BenchRunner:
         finally:
             if inner is not None:
                 inner.close()
-        row.update(output_tokens=int(tokens), wall_s=round(wall, 4),
-                   tokens_per_second=round(tokens / wall, 3) if wall > 0 else None)
+        row.update(
+            output_tokens=int(tokens),
+            wall_s=round(wall, 4),
+            tokens_per_second=round(tokens / wall, 3) if wall > 0 else None,
+        )
         self.outputs.save(spec, prompts, token_ids, texts)
         return row
 
@@ -453,8 +522,12 @@ class BenchRunner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.git_commit = git_commit()
-        self.meta.update(settings=self.settings, machine=machine_info(cfg.device, cfg.dtype), git_commit=self.git_commit,
-                         config=cfg.to_dict())
+        self.meta.update(
+            settings=self.settings,
+            machine=machine_info(cfg.device, cfg.dtype),
+            git_commit=self.git_commit,
+            config=cfg.to_dict(),
+        )
         self.meta["commands"] = list(dict.fromkeys(self.meta.get("commands", []) + [cfg.command or "dcoco bench"]))
         skip = set()
         for m in cfg.methods:
@@ -468,12 +541,21 @@ class BenchRunner:
             self.note("peers run at concurrency 1 only; add 1 to --concurrency to measure them")
         todo = [s for s in specs if s.key not in done]
         if len(specs) > len(todo):
-            self.log(f"dcoco bench: {len(specs) - len(todo)} of {len(specs)} rows already in {self.out / 'results.json'}; skipping them")
+            self.log(
+                f"dcoco bench: {len(specs) - len(todo)} of {len(specs)} rows already in {self.out / 'results.json'}; skipping them"
+            )
 
         from tqdm import tqdm
 
-        bar = tqdm(total=len(specs), initial=len(specs) - len(todo), unit="row", desc="bench", disable=not cfg.progress,
-                   position=0, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(specs),
+            initial=len(specs) - len(todo),
+            unit="row",
+            desc="bench",
+            disable=not cfg.progress,
+            position=0,
+            dynamic_ncols=True,
+        )
         try:
             if todo:
                 self._load_target()

@@ -36,12 +36,17 @@ def git_commit(path: Optional[Path] = None) -> str:
     Read-only: uses ``--no-optional-locks`` so git never rewrites the index."""
     root = Path(path) if path is not None else Path(__file__).resolve().parents[3]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-                                capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if commit.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=20)
+        dirty = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return commit.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

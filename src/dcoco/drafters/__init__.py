@@ -11,7 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..errors import ConfigError, ModelNotFoundError, UnknownMethodError
-from .base import DraftInput, DraftOutput, Drafter
+from .base import Drafter, DraftInput, DraftOutput
 from .ngram import NgramDrafter
 
 #: every method name dcoco knows, in the order a user would reach for them
@@ -100,7 +100,9 @@ def _load_block_drafter(method: str):
         model = model.to(target.device)
         if method == "dcoco":
             if not isinstance(model, DCOCOModel):
-                raise ModelNotFoundError(f"{ckpt} is a plain DFlash checkpoint; dcoco needs one trained with method: dcoco")
+                raise ModelNotFoundError(
+                    f"{ckpt} is a plain DFlash checkpoint; dcoco needs one trained with method: dcoco"
+                )
             return DCOCODrafter(model, target)
         return BlockDrafter(model, target)  # a DCOCO checkpoint runs as DFlash without correction
 
@@ -120,8 +122,12 @@ def _load_eagle3(path: Optional[str], target) -> Drafter:
 
 
 # trained drafter families: method -> loader(path | None, target) -> Drafter
-_TRAINED: dict = {"dflash": _load_block_drafter("dflash"), "dcoco": _load_block_drafter("dcoco"),
-                  "dspark": _load_dspark, "eagle3": _load_eagle3}
+_TRAINED: dict = {
+    "dflash": _load_block_drafter("dflash"),
+    "dcoco": _load_block_drafter("dcoco"),
+    "dspark": _load_dspark,
+    "eagle3": _load_eagle3,
+}
 
 
 def split_label(label: str) -> tuple[str, str]:
@@ -164,15 +170,20 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
     if cfg.method == "vanilla":
         return None
     if slow_bf16_verification(target):
-        warnings.warn(f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): verifying a block of n tokens "
-                      f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here", stacklevel=2)
+        warnings.warn(
+            f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): verifying a block of n tokens "
+            f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here",
+            stacklevel=2,
+        )
     if cfg.method == "ngram":
         try:
             return NgramDrafter(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.method not in _TRAINED:
-        raise UnknownMethodError(f"method {cfg.method!r} is not implemented yet; available: {', '.join(available_methods())}")
+        raise UnknownMethodError(
+            f"method {cfg.method!r} is not implemented yet; available: {', '.join(available_methods())}"
+        )
     dcoco_opts = cfg.dcoco_top_k is not None or cfg.dcoco_walk is not None or not cfg.dcoco_correct
     if dcoco_opts and cfg.method != "dcoco":
         raise ConfigError(f"dcoco_* options apply to method dcoco, not {cfg.method}")

@@ -78,7 +78,8 @@ def check_feature_drafter(target, vocab_size: int, hidden_size: int, num_target_
         raise DrafterMismatchError(f"drafter hidden size {hidden_size} != target hidden size {target.hidden_size}")
     if num_target_layers != target.num_layers or max(layer_ids) >= target.num_layers:
         raise DrafterMismatchError(
-            f"drafter was made for a {num_target_layers}-layer target, this target has {target.num_layers} layers")
+            f"drafter was made for a {num_target_layers}-layer target, this target has {target.num_layers} layers"
+        )
 
 
 def pad_rows(rows: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,17 @@ from safetensors.torch import load_file, save_file
 from ..errors import ModelNotFoundError
 
 
-def save_checkpoint(path: str | Path, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+def save_checkpoint(
+    path: str | Path, config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        tensors = {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).contiguous().cpu()
-                   for k, v in state.items()}
+        tensors = {
+            k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).contiguous().cpu()
+            for k, v in state.items()
+        }
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.chmod(tmp, 0o755)
@@ -52,4 +56,6 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], path) -
     """Load `state` into `model`, or fail with a clear error if the two do not match exactly."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ModelNotFoundError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ModelNotFoundError(
+            f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )

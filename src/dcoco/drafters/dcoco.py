@@ -53,7 +53,9 @@ class DCOCOConfig(BaseModel):
     use_hidden: bool = True
     use_pair_context: bool = True
     sampled_walk: bool = False  # at T > 0: sample the walk from softmax(S / T) (variant b) instead of one-hot
-    vocab_walk: bool = False  # extension of the sampled walk: draw from the whole draft vocabulary, the shortlist rescored
+    vocab_walk: bool = (
+        False  # extension of the sampled walk: draw from the whole draft vocabulary, the shortlist rescored
+    )
     sampled_head: bool = False  # extension: a second output of Delta scores the T > 0 walks (trained to match p_target)
     anchor_pair: bool = False  # extension: a pair (anchor, slot 1) so the first draft slot is corrected too
 
@@ -120,8 +122,9 @@ class Corrector(nn.Module):
         if self.out_sampled is None:
             greedy = base + self.out(x).squeeze(-1)
             return greedy, greedy
-        heads = F.linear(x, torch.cat([self.out.weight, self.out_sampled.weight]),
-                         torch.cat([self.out.bias, self.out_sampled.bias]))  # both outputs in one pass
+        heads = F.linear(
+            x, torch.cat([self.out.weight, self.out_sampled.weight]), torch.cat([self.out.bias, self.out_sampled.bias])
+        )  # both outputs in one pass
         return base + heads[..., 0], base + heads[..., 1]
 
 
@@ -136,8 +139,9 @@ def walk_greedy(scores: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def walk_sampled(scores: torch.Tensor, first_logits: Optional[torch.Tensor], temperature: torch.Tensor,
-                 uniforms: torch.Tensor):
+def walk_sampled(
+    scores: torch.Tensor, first_logits: Optional[torch.Tensor], temperature: torch.Tensor, uniforms: torch.Tensor
+):
     """Sampled walk: k_1 ~ softmax(l_1 / T) over the shortlist, k_{p+1} ~ softmax(S_p(k_p, .) / T).
     `first_logits` None: position 0 is fixed at index 0 (the anchor of `anchor_pair`). Returns
     indices (N, P) and the K-way distribution each index was drawn from (N, P, K); `uniforms` holds
@@ -152,14 +156,16 @@ def walk_sampled(scores: torch.Tensor, first_logits: Optional[torch.Tensor], tem
     else:
         probs[:, 0] = torch.softmax(first_logits.float() / T, -1)
         idx[:, 0] = sample_from(probs[:, 0], uniforms[:, 0])
-    u = uniforms[:, int(first_logits is not None):]
+    u = uniforms[:, int(first_logits is not None) :]
     for p in range(P1):
         probs[:, p + 1] = torch.softmax(scores[rows, p, idx[:, p]].float() / T, -1)
         idx[:, p + 1] = sample_from(probs[:, p + 1], u[:, p])
     return idx, probs
 
 
-def walk_vocab(scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, lead: int, params, uniforms: torch.Tensor):
+def walk_vocab(
+    scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, lead: int, params, uniforms: torch.Tensor
+):
     """Sampled walk over the whole draft vocabulary (an extension): slot j draws from the drafter's
     own distribution (temperature, top-k, top-p of the request) with its K shortlisted candidates
     rescored by S(k_prev, .), where k_prev is the candidate drawn before it; a draw off the
@@ -172,7 +178,9 @@ def walk_vocab(scores: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, le
     rows = torch.arange(N, device=logits.device)
     tokens = torch.zeros(N, k, dtype=torch.long, device=logits.device)
     probs = torch.zeros(N, k, V, device=logits.device)
-    prev = torch.zeros(N, dtype=torch.long, device=logits.device)  # index of the drawn candidate at the previous position
+    prev = torch.zeros(
+        N, dtype=torch.long, device=logits.device
+    )  # index of the drawn candidate at the previous position
     listed = torch.full((N,), bool(lead), device=logits.device)  # ... and whether it was on its shortlist
     for j in range(k):
         w = j + lead  # walk position of slot j
@@ -200,8 +208,15 @@ class DCOCOModel(DFlashModel):
         """Positions of the walk before the first draft slot: 1 (the anchor) with `anchor_pair`, else 0."""
         return int(self.dcfg.anchor_pair)
 
-    def pair_scores(self, hidden: torch.Tensor, logits: torch.Tensor, embed, top_k: Optional[int] = None,
-                    anchor: Optional[torch.Tensor] = None, anchor_hidden: Optional[torch.Tensor] = None):
+    def pair_scores(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        embed,
+        top_k: Optional[int] = None,
+        anchor: Optional[torch.Tensor] = None,
+        anchor_hidden: Optional[torch.Tensor] = None,
+    ):
         """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
         Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), greedy scores and T > 0
         scores (N, L+P-1, K, K)) over the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
@@ -228,10 +243,17 @@ class DCOCODrafter(BlockDrafter):
         self.top_k = model.dcfg.top_k
         self.walk = "vocab" if model.dcfg.vocab_walk else "sampled" if model.dcfg.sampled_walk else "onehot"
         vocab = model.draft_ids  # token id -> its column of the draft vocabulary (shortlists lie within it)
-        self.vocab_pos = None if vocab is None else torch.zeros(model.cfg.vocab_size, dtype=torch.long, device=vocab.device).index_copy_(
-            0, vocab, torch.arange(len(vocab), device=vocab.device))
+        self.vocab_pos = (
+            None
+            if vocab is None
+            else torch.zeros(model.cfg.vocab_size, dtype=torch.long, device=vocab.device).index_copy_(
+                0, vocab, torch.arange(len(vocab), device=vocab.device)
+            )
+        )
 
-    def configure(self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None) -> "DCOCODrafter":
+    def configure(
+        self, correct: bool = True, top_k: Optional[int] = None, walk: Optional[str] = None
+    ) -> "DCOCODrafter":
         """Inference options: correction on/off, shortlist size, T > 0 variant ('onehot' | 'sampled' | 'vocab')."""
         self.correct = correct
         if top_k is not None:
@@ -240,8 +262,9 @@ class DCOCODrafter(BlockDrafter):
             self.walk = walk
         return self
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
-               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
+    def select(
+        self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor] = None
+    ) -> DraftOutput:
         N, k, V = logits.shape
         if not self.correct or k + self.model.lead < 2:
             return super().select(hidden, logits, inp)
@@ -253,8 +276,9 @@ class DCOCODrafter(BlockDrafter):
         tok, q = walk_vocab(scores, cols, self.draft_columns(logits), self.model.lead, params, u)
         return self.full_columns(tok, q, logits.shape[-1])
 
-    def _corrected(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
-                   anchor_hidden: Optional[torch.Tensor]) -> DraftOutput:
+    def _corrected(
+        self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor]
+    ) -> DraftOutput:
         N, k, V = logits.shape
         lead = self.model.lead
         anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ModelNotFoundError
 from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
-from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
+from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
 from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 
 
@@ -72,8 +72,15 @@ class DFlashConfig(BaseModel):
         return tuple(i + 1 for i in self.target_layer_ids)
 
     @classmethod
-    def for_target(cls, target, num_layers: int = 2, block_size: int = 16, num_features: int = 5,
-                   mask_token_id: Optional[int] = None, intermediate_size: Optional[int] = None) -> "DFlashConfig":
+    def for_target(
+        cls,
+        target,
+        num_layers: int = 2,
+        block_size: int = 16,
+        num_features: int = 5,
+        mask_token_id: Optional[int] = None,
+        intermediate_size: Optional[int] = None,
+    ) -> "DFlashConfig":
         cfg = target.config
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
@@ -185,8 +192,15 @@ class DFlashModel(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DraftDecoderLayer(H, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                              cfg.head_dim, cfg.rms_norm_eps, cfg.qk_norm)
+            DraftDecoderLayer(
+                H,
+                cfg.intermediate_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+                cfg.qk_norm,
+            )
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -207,7 +221,9 @@ class DFlashModel(nn.Module):
         """`logits` (..., V) with -inf off the draft vocabulary (unchanged without one)."""
         if self.draft_ids is None:
             return logits
-        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, self.draft_ids, True)
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(
+            0, self.draft_ids, True
+        )
         return logits.masked_fill(~keep, float("-inf"))
 
     @property
@@ -234,7 +250,9 @@ class DFlashModel(nn.Module):
         cos, sin = self.rope(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def forward(self, block_emb: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, block_emb: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """Hidden states (N, M, H) after the final norm for query embeddings (N, M, H) at `positions`
         (N, M); `mask` (N, 1, M, T + M) as in `ContextAttention` (None: everything visible)."""
         cos, sin = self.rope(positions, block_emb.dtype)
@@ -404,8 +422,9 @@ class BlockDrafter(Drafter):
         out = sub.new_full((sub.shape[0], self.cfg.vocab_size), float("-inf"))
         return out.index_copy_(1, self.model.draft_ids, sub).view(*hidden.shape[:-1], -1)
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
-               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
+    def select(
+        self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor] = None
+    ) -> DraftOutput:
         """DFlash picks each slot independently: argmax at T=0; at T>0 a sample from the request's
         own transformed distribution, reported as q. (`anchor_hidden`, the anchor slot's output, is
         for selectors that condition on the anchor.)"""
@@ -419,7 +438,9 @@ class BlockDrafter(Drafter):
         u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
         tok, q = self.full_columns(sample_from(q, u), q, V)
         tokens[si] = tok
-        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=mixed_q(tokens, si, q, V))
+        return DraftOutput(
+            tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=mixed_q(tokens, si, q, V)
+        )
 
     def draft_columns(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits -> the draft vocabulary's columns (the rest are -inf): sampling over
@@ -448,8 +469,13 @@ def mixed_q(tokens: torch.Tensor, sampled: torch.Tensor, q: torch.Tensor, V: int
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
-def save_dflash(path: str | Path, model: DFlashModel, method: str = "dflash", extra: Optional[dict] = None,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+def save_dflash(
+    path: str | Path,
+    model: DFlashModel,
+    method: str = "dflash",
+    extra: Optional[dict] = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     extra = dict(extra or {})
     if hasattr(model, "dcfg"):
         extra["dcoco_config"] = model.dcfg.model_dump()

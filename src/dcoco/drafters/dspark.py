@@ -70,7 +70,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.w1 = nn.Embedding(vocab_size, rank)
         self.w2 = nn.Linear(rank, vocab_size, bias=False)
-        nn.init.normal_(self.w1.weight, std=rank ** -0.5)
+        nn.init.normal_(self.w1.weight, std=rank**-0.5)
         nn.init.zeros_(self.w2.weight)
 
     def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +129,9 @@ class DSparkDrafter(BlockDrafter):
             raise ValueError("confidence truncation needs a checkpoint trained with the confidence head")
         self.confidence_threshold = thr
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput,
-               anchor_hidden: Optional[torch.Tensor] = None) -> DraftOutput:
+    def select(
+        self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor] = None
+    ) -> DraftOutput:
         N, k, V = logits.shape  # logits: the base logits U of the block pass
         prev = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
         sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
@@ -160,8 +161,9 @@ class DSparkDrafter(BlockDrafter):
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
-def save_dspark(path: str | Path, model: DSparkModel, extra: Optional[dict] = None,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+def save_dspark(
+    path: str | Path, model: DSparkModel, extra: Optional[dict] = None, dtype: torch.dtype = torch.bfloat16
+) -> None:
     d = dict(extra or {})
     d["dspark_config"] = model.scfg.model_dump()
     d["architectures"] = ["DSparkDraftModel"]

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ModelNotFoundError
 from ..nn.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
-from .base import DraftInput, DraftOutput, Drafter, check_feature_drafter
+from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
 from .checkpoint import load_checkpoint, load_weights, save_checkpoint
 
 
@@ -93,8 +93,14 @@ class Eagle3Config(BaseModel):
         return tuple(i + 1 for i in self.layer_ids)
 
     @classmethod
-    def for_target(cls, target, layer_ids: Sequence[int], draft_vocab_size: int = 8192,
-                   intermediate_size: Optional[int] = None, num_speculative_tokens: int = 7) -> "Eagle3Config":
+    def for_target(
+        cls,
+        target,
+        layer_ids: Sequence[int],
+        draft_vocab_size: int = 8192,
+        intermediate_size: Optional[int] = None,
+        num_speculative_tokens: int = 7,
+    ) -> "Eagle3Config":
         cfg = target.config
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
@@ -233,7 +239,7 @@ def ttt_attention(q, qpos, k0, v0, diag_k: list, diag_v: list, attn: Eagle3Atten
     q: (S, h, A, d) queries of the A start slots `qpos` (S, A); k0/v0: (S, kv, T, d) step-0 entries of
     every slot; diag_k/diag_v: (S, kv, A, d) per chain step. Returns (S, h, A, d)."""
     T, d = k0.shape[2], q.shape[3]
-    scale = d ** -0.5
+    scale = d**-0.5
     k0, v0 = attn.expand(k0), attn.expand(v0)
     main = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # (S, h, A, T)
     seen = torch.arange(T, device=q.device).view(1, 1, 1, T) <= qpos.view(qpos.shape[0], 1, -1, 1)
@@ -253,8 +259,9 @@ class Eagle3Model(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.layer_ids) * H, H, bias=False)
-        self.midlayer = Eagle3DecoderLayer(H, cfg.intermediate_size, cfg.num_attention_heads,
-                                           cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.midlayer = Eagle3DecoderLayer(
+            H, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        )
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -292,8 +299,14 @@ class Eagle3Model(nn.Module):
         """Draft-vocabulary logits of pre-norm drafter outputs."""
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, embed: nn.Module, ids: torch.Tensor, features: torch.Tensor, steps: int,
-               slots: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    def unroll(
+        self,
+        embed: nn.Module,
+        ids: torch.Tensor,
+        features: torch.Tensor,
+        steps: int,
+        slots: Optional[torch.Tensor] = None,
+    ) -> list[torch.Tensor]:
         """Training-time test. `ids` (S, T) tokens, `features` (S, T, 3H) the target features of token t
         at slot t. Step 0 runs on every slot (their K/V are the keys all later steps see): slot t
         reads token t+1 at position t. Steps j >= 1 run on the start slots `slots` (S, A) (None: all
@@ -365,7 +378,9 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def _ingest(self, inp: DraftInput) -> None:
         """Step-0 entries for the newly committed tokens of every request, in one batched pass."""
-        rows = [(b, r, f) for b, (r, f) in enumerate(zip(inp.request_ids, inp.new_features)) if f is not None and f.shape[0]]
+        rows = [
+            (b, r, f) for b, (r, f) in enumerate(zip(inp.request_ids, inp.new_features)) if f is not None and f.shape[0]
+        ]
         if not rows:
             return
         R, n = len(rows), max(f.shape[0] for _, _, f in rows)
@@ -464,8 +479,9 @@ class Eagle3Drafter(Drafter):
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
-def save_eagle3(path: str | Path, model: Eagle3Model, extra: Optional[dict] = None,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+def save_eagle3(
+    path: str | Path, model: Eagle3Model, extra: Optional[dict] = None, dtype: torch.dtype = torch.bfloat16
+) -> None:
     save_checkpoint(path, model.cfg.to_hf(extra), model.state_dict(), dtype)
 
 
@@ -474,7 +490,7 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[E
     if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
         raise ModelNotFoundError(f"{path} is not an EAGLE-3 checkpoint (architectures {raw.get('architectures')})")
     model = Eagle3Model(Eagle3Config.from_hf(raw))
-    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    state = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     state.pop("embed_tokens.weight", None)  # dcoco always uses the target's embedding table
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import DraftInput, DraftOutput, Drafter, pad_rows
+from .base import Drafter, DraftInput, DraftOutput, pad_rows
 
 
 def lookup(seq: np.ndarray, num_tokens: int, max_n: int, min_n: int) -> list[int]:
@@ -37,6 +37,8 @@ class NgramDrafter(Drafter):
     def propose(self, inp: DraftInput) -> DraftOutput:
         if inp.num_tokens <= 0:
             return DraftOutput.empty(len(inp.token_ids))
-        rows = [lookup(np.asarray(ids, dtype=np.int64), inp.num_tokens, self.max_n, self.min_n) for ids in inp.token_ids]
+        rows = [
+            lookup(np.asarray(ids, dtype=np.int64), inp.num_tokens, self.max_n, self.min_n) for ids in inp.token_ids
+        ]
         tokens, lens = pad_rows(rows, max(1, max(len(r) for r in rows)))
         return DraftOutput(tokens=tokens, lengths=lens)

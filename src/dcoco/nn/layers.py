@@ -100,7 +100,9 @@ class ContextAttention(nn.Module):
 class DraftDecoderLayer(nn.Module):
     """Pre-norm decoder layer (Llama/Qwen3 shape) whose attention also sees an external context."""
 
-    def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True):
+    def __init__(
+        self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = ContextAttention(hidden, heads, kv_heads, head_dim, eps, qk_norm)

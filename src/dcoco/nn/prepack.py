@@ -32,8 +32,12 @@ class PrepackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if (
+            x.device.type != "cpu"
+            or x.dtype != torch.bfloat16
+            or w.dtype != torch.bfloat16
+            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+        ):
             return F.linear(x, w, self.bias)
         key = _weight_key(w)
         if key != self._packed_key:

@@ -348,9 +348,16 @@ class FlashAttnKernel(TorchAttentionKernel):
             cu_q = torch.nn.functional.pad(length.cumsum(0), (1, 0)).int()
             cu_k = torch.nn.functional.pad(k_len.cumsum(0), (1, 0)).int()
             o, l, _ = _flash_varlen(
-                q.index_select(0, q_idx), k.index_select(0, k_idx), v.index_select(0, k_idx),
-                cu_q, cu_k, int(length.max()), int(k_len.max()),
-                softmax_scale=scale, causal=causal, return_attn_probs=True,
+                q.index_select(0, q_idx),
+                k.index_select(0, k_idx),
+                v.index_select(0, k_idx),
+                cu_q,
+                cu_k,
+                int(length.max()),
+                int(k_len.max()),
+                softmax_scale=scale,
+                causal=causal,
+                return_attn_probs=True,
             )
             out.index_copy_(0, q_idx, o.to(cdt))
             lse.index_copy_(0, q_idx, l.transpose(0, 1).to(cdt))  # flash varlen lse is [H, total_q]

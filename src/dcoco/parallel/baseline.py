@@ -112,7 +112,13 @@ def allgather_attention(
     if q_seq.shape != (q.shape[0],) or q_limit.shape != (q.shape[0],):
         raise ShapeMismatchError("q_seq and q_limit need one entry per query")
     return _AllGatherAttention.apply(
-        q, k, v, layout, ring, q_seq, q_limit,
+        q,
+        k,
+        v,
+        layout,
+        ring,
+        q_seq,
+        q_limit,
         default_scale(q.shape[2]) if scale is None else float(scale),
         kernel if kernel is not None else select_kernel(q.device, q.dtype),
         stats,

@@ -113,8 +113,10 @@ def _bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
     pad_layout = ZigzagLayout(_pad_seqlens(cfg["seqlens"], world_size), world_size)
     gen = torch.Generator().manual_seed(0)  # same global data on every rank
     n_all = layout.total
-    glob = {name: torch.randn(n_all, heads, d, generator=gen, dtype=torch.float32)
-            for name, heads in (("q", h), ("k", hkv), ("v", hkv), ("dout", h))}
+    glob = {
+        name: torch.randn(n_all, heads, d, generator=gen, dtype=torch.float32)
+        for name, heads in (("q", h), ("k", hkv), ("v", hkv), ("dout", h))
+    }
     real_in_pad = torch.cat([pad_layout.cu_seqlens[i] + torch.arange(n) for i, n in enumerate(layout.seqlens)])
 
     def local(which: str, lay: ZigzagLayout) -> tuple[dict, torch.Tensor]:
@@ -146,8 +148,12 @@ def _bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
             torch.cuda.synchronize()
         dist.barrier()
 
-    res: dict = {"rank": rank, "local_tokens": layout.local_len(rank), "causal_work": layout.causal_work(rank),
-                 "padded_local_tokens": pad_layout.local_len(rank)}
+    res: dict = {
+        "rank": rank,
+        "local_tokens": layout.local_len(rank),
+        "causal_work": layout.causal_work(rank),
+        "padded_local_tokens": pad_layout.local_len(rank),
+    }
     outs = {}
     for method in ("ring", "allgather"):
         outs[method] = step(method, None)  # warm-up
@@ -183,8 +189,15 @@ def _bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
         }
     # compare the two outputs on the real tokens (they live on different ranks in the two layouts)
     pieces = [None] * world_size
-    dist.all_gather_object(pieces, (layout.local_indices(rank), pad_layout.local_indices(rank),
-                                    outs["ring"].float().cpu(), outs["allgather"].float().cpu()))
+    dist.all_gather_object(
+        pieces,
+        (
+            layout.local_indices(rank),
+            pad_layout.local_indices(rank),
+            outs["ring"].float().cpu(),
+            outs["allgather"].float().cpu(),
+        ),
+    )
     ring_g = layout.unshard([p[2] for p in pieces])
     ag_g = pad_layout.unshard([p[3] for p in pieces])[real_in_pad]
     res["max_abs_diff_ring_vs_allgather"] = float((ring_g - ag_g).abs().max())
@@ -243,25 +256,25 @@ def project(
         else:
             last_hop = 2 * shard * d_kv * acc_bytes / bw  # dK/dV return to their owner after the last step
             t_ring = (
-                (w - 1) * (max(c_fwd, m_fwd) + max(c_bwd, m_bwd))
-                + (c_fwd + c_bwd) + last_hop
-                + 2 * w * ovh + w * merge
+                (w - 1) * (max(c_fwd, m_fwd) + max(c_bwd, m_bwd)) + (c_fwd + c_bwd) + last_hop + 2 * w * ovh + w * merge
             )
         padded = shard * (1 + pad_fraction)
         t_ag = f_total / (w * flops) + 2 * ovh
         if w > 1:
             t_ag += (w - 1) * padded * 2 * d_kv * (elem_bytes + acc_bytes) / bw
-        rows.append({
-            "W": w,
-            "ring_s": t_ring,
-            "allgather_s": t_ag,
-            "ring_speedup": t1 / t_ring,
-            "ring_efficiency": t1 / t_ring / w,
-            "ring_vs_allgather": t_ag / t_ring,
-            "comm_fwd_bytes_per_rank": 2 * (w - 1) * shard * d_kv * elem_bytes,
-            "kv_resident_bytes_ring": 2 * 2 * shard * d_kv * elem_bytes,  # own shard + the one in flight
-            "kv_resident_bytes_allgather": 2 * n_tokens * d_kv * elem_bytes,
-        })
+        rows.append(
+            {
+                "W": w,
+                "ring_s": t_ring,
+                "allgather_s": t_ag,
+                "ring_speedup": t1 / t_ring,
+                "ring_efficiency": t1 / t_ring / w,
+                "ring_vs_allgather": t_ag / t_ring,
+                "comm_fwd_bytes_per_rank": 2 * (w - 1) * shard * d_kv * elem_bytes,
+                "kv_resident_bytes_ring": 2 * 2 * shard * d_kv * elem_bytes,  # own shard + the one in flight
+                "kv_resident_bytes_allgather": 2 * n_tokens * d_kv * elem_bytes,
+            }
+        )
     implied = None
     if PUBLISHED["gpus"] in world_sizes and n_tokens == PUBLISHED["tokens"]:
         row = next(r for r in rows if r["W"] == PUBLISHED["gpus"])
@@ -273,9 +286,16 @@ def project(
         "kind": "PROJECTION from an analytic model (not a measurement)",
         "implied_extra_s_per_step_for_published_efficiency": implied,
         "assumptions": {
-            "n_tokens": n_tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "elem_bytes": elem_bytes, "acc_bytes": acc_bytes, "attn_tflops": attn_tflops,
-            "p2p_gbps": p2p_gbps, "hbm_gbps": hbm_gbps, "step_overhead_us": step_overhead_us,
+            "n_tokens": n_tokens,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "elem_bytes": elem_bytes,
+            "acc_bytes": acc_bytes,
+            "attn_tflops": attn_tflops,
+            "p2p_gbps": p2p_gbps,
+            "hbm_gbps": hbm_gbps,
+            "step_overhead_us": step_overhead_us,
             "pad_fraction": pad_fraction,
         },
         "rows": rows,
@@ -304,11 +324,16 @@ def run_benchmark(cfg: dict) -> dict:
         n, d_kv = layout.total, cfg["kv_heads"] * cfg["head_dim"]
         formula_fwd = 2 * (w - 1) * n / w * d_kv * elem
         formula_bwd = formula_fwd + (2 * n / w * d_kv * acc * w if w > 1 else 0)
-        entry = {"W": w, "job_s": time.perf_counter() - t0, "local_tokens": [r["local_tokens"] for r in ranks],
-                 "causal_work": [r["causal_work"] for r in ranks],
-                 "formula_fwd_bytes_per_rank": formula_fwd, "formula_bwd_bytes_per_rank": formula_bwd,
-                 "allgather_padding_tokens": w * max(ZigzagLayout(_pad_seqlens(cfg["seqlens"], w), w).local_lens()) - n,
-                 "max_abs_diff_ring_vs_allgather": max(r["max_abs_diff_ring_vs_allgather"] for r in ranks)}
+        entry = {
+            "W": w,
+            "job_s": time.perf_counter() - t0,
+            "local_tokens": [r["local_tokens"] for r in ranks],
+            "causal_work": [r["causal_work"] for r in ranks],
+            "formula_fwd_bytes_per_rank": formula_fwd,
+            "formula_bwd_bytes_per_rank": formula_bwd,
+            "allgather_padding_tokens": w * max(ZigzagLayout(_pad_seqlens(cfg["seqlens"], w), w).local_lens()) - n,
+            "max_abs_diff_ring_vs_allgather": max(r["max_abs_diff_ring_vs_allgather"] for r in ranks),
+        }
         for m in ("ring", "allgather"):
             rs = [r[m] for r in ranks]
             entry[m] = {
@@ -358,11 +383,17 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"| {_mib(x['peak_mem_bytes_max_rank'])} | {x['bytes_fwd_mean_rank']:.0f} "
                 f"| {x['bytes_bwd_mean_rank']:.0f} | {e['formula_fwd_bytes_per_rank']:.0f} |"
             )
-    lines += ["", "| W | local tokens per rank | causal work per rank | all-gather padding tokens |"
-              " max abs diff ring vs all-gather |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| W | local tokens per rank | causal work per rank | all-gather padding tokens |"
+        " max abs diff ring vs all-gather |",
+        "|---|---|---|---|---|",
+    ]
     for e in result["measured"]:
-        lines.append(f"| {e['W']} | {e['local_tokens']} | {e['causal_work']} | {e['allgather_padding_tokens']} |"
-                     f" {e['max_abs_diff_ring_vs_allgather']:.2e} |")
+        lines.append(
+            f"| {e['W']} | {e['local_tokens']} | {e['causal_work']} | {e['allgather_padding_tokens']} |"
+            f" {e['max_abs_diff_ring_vs_allgather']:.2e} |"
+        )
     p = result["projection"]
     a = p["assumptions"]
     lines += [
@@ -377,17 +408,26 @@ def write_markdown(result: dict, path: Path) -> None:
         "|---|---|---|---|---|---|",
     ]
     for r in p["rows"]:
-        lines.append(f"| {r['W']} | {r['ring_s']:.3f} | {r['allgather_s']:.3f} | {r['ring_speedup']:.2f}x |"
-                     f" {100 * r['ring_efficiency']:.1f}% | {r['ring_vs_allgather']:.3f}x |")
+        lines.append(
+            f"| {r['W']} | {r['ring_s']:.3f} | {r['allgather_s']:.3f} | {r['ring_speedup']:.2f}x |"
+            f" {100 * r['ring_efficiency']:.1f}% | {r['ring_vs_allgather']:.3f}x |"
+        )
     if p.get("implied_extra_s_per_step_for_published_efficiency") is not None:
         extra_ms = 1e3 * p["implied_extra_s_per_step_for_published_efficiency"]
-        lines += ["", f"To fall to the published efficiency this model would need {extra_ms:.1f} ms of extra "
-                  "non-overlapped time per ring step and pass, far more than the modelled transfer time: "
-                  "the published loss is not communication."]
+        lines += [
+            "",
+            f"To fall to the published efficiency this model would need {extra_ms:.1f} ms of extra "
+            "non-overlapped time per ring step and pass, far more than the modelled transfer time: "
+            "the published loss is not communication.",
+        ]
     pub = p["published"]
-    lines += ["", f"Published reference ({pub['source']}): {pub['scaling_8gpu']}x on {pub['gpus']} GPUs "
-              f"({100 * pub['efficiency_8gpu']:.0f}% efficiency) at {pub['tokens']} tokens, "
-              f"{pub['speedup_vs_usp_cp2']}x faster than USP at CP=2.", ""]
+    lines += [
+        "",
+        f"Published reference ({pub['source']}): {pub['scaling_8gpu']}x on {pub['gpus']} GPUs "
+        f"({100 * pub['efficiency_8gpu']:.0f}% efficiency) at {pub['tokens']} tokens, "
+        f"{pub['speedup_vs_usp_cp2']}x faster than USP at CP=2.",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -436,9 +476,14 @@ def main(argv=None) -> dict:
     cfg = {
         "seqlens": _seqlens(args.seq_len),
         "world_sizes": [int(x) for x in args.world_sizes.split(",")],
-        "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-        "dtype": args.dtype, "repeats": args.repeats, "threads": args.threads,
-        "device": args.device, "timeout_s": args.timeout_s,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "device": args.device,
+        "timeout_s": args.timeout_s,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_benchmark(cfg)

@@ -83,9 +83,7 @@ def _long(x) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.long).reshape(-1)
 
 
-def dflash_spec(
-    seq_ids, anchors, block_size: int, *, valid_lens=None, include_anchor: bool = False
-) -> BranchSpec:
+def dflash_spec(seq_ids, anchors, block_size: int, *, valid_lens=None, include_anchor: bool = False) -> BranchSpec:
     """Structure of DFlash/DSpark/DCOCO blocks (see the module docstring for the layout)."""
     seq_ids, anchors = _long(seq_ids), _long(anchors)
     if seq_ids.shape != anchors.shape:
@@ -182,9 +180,20 @@ def branch_attention(
         q_lim = torch.cat([layout.local_positions(rank).to(dev), q_lim])
         lo, hi = torch.cat([z, lo]), torch.cat([z, hi])
     out, _ = ring_attention(
-        q, k_main, v_main, layout, q_seq, q_lim,
-        branch_k=bk, branch_v=bv, branch_lo=lo, branch_hi=hi,
-        group=group, scale=scale, kernel=kernel, stats=stats,
+        q,
+        k_main,
+        v_main,
+        layout,
+        q_seq,
+        q_lim,
+        branch_k=bk,
+        branch_v=bv,
+        branch_lo=lo,
+        branch_hi=hi,
+        group=group,
+        scale=scale,
+        kernel=kernel,
+        stats=stats,
     )
     if q_main is None:
         return out

@@ -32,9 +32,7 @@ def _entry(rank, fn, world_size, port, result_dir, backend, pg_timeout_s, thread
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:

@@ -252,7 +252,14 @@ def zigzag_ring_attention(
         )
     dev = q.device
     return ring_attention(
-        q, k, v, layout,
-        layout.local_seq_ids(ring.rank).to(dev), layout.local_positions(ring.rank).to(dev),
-        group=group, scale=scale, kernel=kernel, stats=stats,
+        q,
+        k,
+        v,
+        layout,
+        layout.local_seq_ids(ring.rank).to(dev),
+        layout.local_positions(ring.rank).to(dev),
+        group=group,
+        scale=scale,
+        kernel=kernel,
+        stats=stats,
     )

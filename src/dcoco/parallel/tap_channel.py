@@ -244,8 +244,10 @@ class TapChannel:
         # both endpoints decide from the same exchanged facts
         mine = torch.frombuffer(bytearray(socket.gethostname().encode()[:64].ljust(64)), dtype=torch.uint8)
         theirs = torch.empty(64, dtype=torch.uint8)
-        ops = [dist.P2POp(dist.isend, mine, self.peer, self._ctrl, _TAG_SETUP),
-               dist.P2POp(dist.irecv, theirs, self.peer, self._ctrl, _TAG_SETUP)]
+        ops = [
+            dist.P2POp(dist.isend, mine, self.peer, self._ctrl, _TAG_SETUP),
+            dist.P2POp(dist.irecv, theirs, self.peer, self._ctrl, _TAG_SETUP),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         same_host = bool(torch.equal(mine, theirs))
@@ -261,8 +263,10 @@ class TapChannel:
         """
         mine = torch.ones(1, device=self.device)
         theirs = torch.zeros(1, device=self.device)
-        ops = [dist.P2POp(dist.isend, mine, self.peer, self._data, _TAG_SETUP),
-               dist.P2POp(dist.irecv, theirs, self.peer, self._data, _TAG_SETUP)]
+        ops = [
+            dist.P2POp(dist.isend, mine, self.peer, self._data, _TAG_SETUP),
+            dist.P2POp(dist.irecv, theirs, self.peer, self._data, _TAG_SETUP),
+        ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 

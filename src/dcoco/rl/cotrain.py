@@ -81,8 +81,17 @@ def build_draft_loss(cfg: DraftSection, model: torch.nn.Module, target: Target):
     from ..train.dspark import DSparkLoss, TargetHead
 
     if cfg.method == "dspark":
-        return DSparkLoss(model, embed, head, gamma, TargetHead(target), split, a.dspark_ce_weight,
-                          a.dspark_l1_weight, a.dspark_confidence_weight)
+        return DSparkLoss(
+            model,
+            embed,
+            head,
+            gamma,
+            TargetHead(target),
+            split,
+            a.dspark_ce_weight,
+            a.dspark_l1_weight,
+            a.dspark_confidence_weight,
+        )
     from ..train.eagle3 import Eagle3Loss
 
     return Eagle3Loss(model, embed, TargetHead(target), split, a.ttt_steps, a.ttt_decay, a.ttt_slots)
@@ -122,8 +131,11 @@ class DraftCoTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
 
     def backward(self, samples: list[dict], feats: list[torch.Tensor], gen: torch.Generator) -> dict:
         """lambda * L_draft on this step's rollouts, backpropagated into the draft only. A frozen draft

@@ -30,8 +30,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return adv.reshape(-1)
 
 
-def completion_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
-                        temperature: float) -> torch.Tensor:
+def completion_logprobs(
+    model, ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log pi(x_{t+1} | x_<=t) / at `temperature`, (B, T-1), zero where `targets` (B, T-1) is False.
 
     Only the positions that predict completion tokens go through the LM head (the head is a large
@@ -43,10 +44,19 @@ def completion_logprobs(model, ids: torch.Tensor, attention_mask: torch.Tensor, 
     return lp.new_zeros(targets.shape).masked_scatter(targets, lp)
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-              clip_low: float = 0.2, clip_high: Optional[float] = None, ref_logp: Optional[torch.Tensor] = None,
-              beta: float = 0.0, loss_type: str = "grpo", num_seqs: Optional[int] = None,
-              num_tokens: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: Optional[float] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    loss_type: str = "grpo",
+    num_seqs: Optional[int] = None,
+    num_tokens: Optional[int] = None,
+) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of a (micro-)batch: logp / old_logp / ref_logp / mask (B, n), adv (B,).
     Returns the loss and detached sums for logging (clipped tokens, KL)."""
     clip_high = clip_low if clip_high is None else clip_high
@@ -70,6 +80,9 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
         raise ValueError(f"unknown loss_type {loss_type!r}")
     with torch.no_grad():
         clipped = ((ratio < 1 - clip_low) & (a < 0)) | ((ratio > 1 + clip_high) & (a > 0))
-        stats = {"clipped_tokens": float((clipped.float() * m).sum()), "tokens": float(m.sum()),
-                 "kl_sum": float((kl * m).sum()) if kl is not None else 0.0}
+        stats = {
+            "clipped_tokens": float((clipped.float() * m).sum()),
+            "tokens": float(m.sum()),
+            "kl_sum": float((kl * m).sum()) if kl is not None else 0.0,
+        }
     return loss, stats

@@ -107,8 +107,13 @@ class RLRun:
         """Generate through a fresh engine with the current draft; returns outputs, stats, seconds."""
         self.sync()
         drafter = make_drafter(self.draft.method, self.rollout_draft, self.rollout_target) if self.draft else None
-        engine = SpeculativeEngine(self.rollout_target, drafter, self.cfg.rollout.num_speculative_tokens,
-                                   max_batch_size=len(prompts), logprobs=True)
+        engine = SpeculativeEngine(
+            self.rollout_target,
+            drafter,
+            self.cfg.rollout.num_speculative_tokens,
+            max_batch_size=len(prompts),
+            logprobs=True,
+        )
         t0 = time.perf_counter()
         outs, stats = engine.generate(prompts, params)
         return outs, stats, time.perf_counter() - t0
@@ -123,12 +128,19 @@ class RLRun:
         problems = [p for p in self.task.train_problems(step, r.prompts_per_step) for _ in range(r.group_size)]
         prompts = self._encode(problems)
         rng = _seeds("rollout", g.seed, step)
-        params = [SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, seed=rng.getrandbits(63))
-                  for _ in prompts]
+        params = [
+            SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, seed=rng.getrandbits(63))
+            for _ in prompts
+        ]
         outs, stats, secs = self.rollout(prompts, params)
         rewards = torch.tensor([self.task.reward(p, o.token_ids, o.text) for p, o in zip(problems, outs)])
-        return {"outs": outs, "stats": stats, "rollout_s": secs, "rewards": rewards,
-                "adv": group_advantages(rewards, r.group_size, g.scale_rewards)}
+        return {
+            "outs": outs,
+            "stats": stats,
+            "rollout_s": secs,
+            "rewards": rewards,
+            "adv": group_advantages(rewards, r.group_size, g.scale_rewards),
+        }
 
     def policy_pass(self, ro: dict, old: Optional[torch.Tensor], capture: bool):
         """Forward + backward of the GRPO loss over micro-batches. Returns the completion tokens'
@@ -155,8 +167,19 @@ class RLRun:
             if self.ref is not None:
                 with torch.no_grad():
                     ref = completion_logprobs(self.ref, ids, attn, tg, T)
-            loss, s = grpo_loss(lp, old_mb, ro["adv"][i : i + g.micro_batch], tg, g.clip_eps, g.clip_eps_high, ref,
-                                g.beta, g.loss_type, n_seq, n_tok)
+            loss, s = grpo_loss(
+                lp,
+                old_mb,
+                ro["adv"][i : i + g.micro_batch],
+                tg,
+                g.clip_eps,
+                g.clip_eps_high,
+                ref,
+                g.beta,
+                g.loss_type,
+                n_seq,
+                n_tok,
+            )
             loss.backward()
             lps.append(lp.detach()[tg])
             done += k
@@ -184,7 +207,9 @@ class RLRun:
                     m["kl_ref"] = sums["kl_sum"] / max(1.0, sums["tokens"])
             if capture:
                 td = time.perf_counter()
-                samples = [{"input_ids": o.prompt_token_ids + o.token_ids, "prompt_len": len(o.prompt_token_ids)} for o in outs]
+                samples = [
+                    {"input_ids": o.prompt_token_ids + o.token_ids, "prompt_len": len(o.prompt_token_ids)} for o in outs
+                ]
                 gen = torch.Generator().manual_seed(_seeds("draft", g.seed, self.step).getrandbits(63))
                 m.update(self.draft.backward(samples, feats, gen))
                 m.update(self.draft.update())
@@ -223,7 +248,10 @@ class RLRun:
         the largest per-token log-prob gap."""
         roll = torch.tensor([x for o in outs for x in o.logprobs], dtype=torch.float32)
         d = policy_lp - roll
-        return {"train_infer_kl": float((torch.exp(d) - d - 1).mean()), "train_infer_max_logp_diff": float(d.abs().max())}
+        return {
+            "train_infer_kl": float((torch.exp(d) - d - 1).mean()),
+            "train_infer_max_logp_diff": float(d.abs().max()),
+        }
 
     # -- validation -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -235,17 +263,26 @@ class RLRun:
         outs, stats, secs = self.rollout(self._encode(problems), params)
         acc = sum(self.task.correct(p, o.token_ids, o.text) for p, o in zip(problems, outs)) / len(problems)
         rew = sum(self.task.reward(p, o.token_ids, o.text) for p, o in zip(problems, outs)) / len(problems)
-        return {"val_acc": round(acc, 4), "val_reward": round(rew, 4),
-                "val_acceptance_length": round(stats.acceptance_length, 4),
-                "val_tps": round(stats.output_tokens / max(secs, 1e-9), 3)}
+        return {
+            "val_acc": round(acc, 4),
+            "val_reward": round(rew, 4),
+            "val_acceptance_length": round(stats.acceptance_length, 4),
+            "val_tps": round(stats.output_tokens / max(secs, 1e-9), 3),
+        }
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, progress: bool = True) -> None:
         from tqdm import tqdm
 
         g, r = self.cfg.grpo, self.cfg.run
-        bar = tqdm(total=g.steps, initial=self.step, desc=f"rl ({self.cfg.draft.method})", unit="step",
-                   file=sys.stderr, disable=not progress)
+        bar = tqdm(
+            total=g.steps,
+            initial=self.step,
+            desc=f"rl ({self.cfg.draft.method})",
+            unit="step",
+            file=sys.stderr,
+            disable=not progress,
+        )
         last_val = None
         try:
             if self.step == 0 and not self.log_path.exists():
@@ -257,8 +294,11 @@ class RLRun:
                     last_val = self.validate()
                     m.update(last_val)
                 self._log(m)
-                bar.set_postfix(reward=f"{m['reward']:.2f}", tau=f"{m['acceptance_length']:.2f}",
-                                val=f"{last_val['val_acc']:.2f}" if last_val else "-")
+                bar.set_postfix(
+                    reward=f"{m['reward']:.2f}",
+                    tau=f"{m['acceptance_length']:.2f}",
+                    val=f"{last_val['val_acc']:.2f}" if last_val else "-",
+                )
                 bar.update(1)
                 if self.step % r.checkpoint_every == 0 or self.step == g.steps:
                     self.save()
@@ -276,8 +316,14 @@ class RLRun:
         append_log(self.log_path, m)
 
     def state(self) -> dict:
-        st = {"step": self.step, "policy": self.model.state_dict(), "opt": self.opt.state_dict(),
-              "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "config": self.cfg.model_dump()}
+        st = {
+            "step": self.step,
+            "policy": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": random.getstate(),
+            "config": self.cfg.model_dump(),
+        }
         if self.draft is not None:
             st.update(draft=self.draft.model.state_dict(), draft_opt=self.draft.opt.state_dict())
         return st
@@ -327,8 +373,12 @@ class RLRun:
     def plot(self) -> Optional[Path]:
         from .report import plot_run
 
-        return plot_run(self.log_path, self.out / "curve.png", title=f"GRPO, draft {self.cfg.draft.method}"
-                        + ("" if self.cfg.draft.cotrain or self.draft is None else " (frozen)"))
+        return plot_run(
+            self.log_path,
+            self.out / "curve.png",
+            title=f"GRPO, draft {self.cfg.draft.method}"
+            + ("" if self.cfg.draft.cotrain or self.draft is None else " (frozen)"),
+        )
 
 
 def run_rl(cfg: RLConfig, progress: bool = True) -> RLRun:

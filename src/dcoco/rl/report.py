@@ -84,13 +84,20 @@ def _run_summary(d: Path) -> dict:
     val = [r for r in rows if "val_acc" in r]
     last = steps[-10:]
     return {
-        "run": d.name, "dir": str(d), "method": cfg["draft"]["method"], "cotrain": cfg["draft"]["cotrain"],
-        "steps": steps[-1]["step"], "rows": steps,
+        "run": d.name,
+        "dir": str(d),
+        "method": cfg["draft"]["method"],
+        "cotrain": cfg["draft"]["cotrain"],
+        "steps": steps[-1]["step"],
+        "rows": steps,
         "reward_last10": sum(r["reward"] for r in last) / len(last),
-        "val_acc_first": val[0]["val_acc"] if val else None, "val_acc_last": val[-1]["val_acc"] if val else None,
+        "val_acc_first": val[0]["val_acc"] if val else None,
+        "val_acc_last": val[-1]["val_acc"] if val else None,
         "acceptance_length": _median(steps, "acceptance_length"),
-        "rollout_tps": _median(steps, "rollout_tps"), "step_tps": _median(steps, "step_tps"),
-        "rollout_s": _median(steps, "rollout_s"), "step_s": _median(steps, "step_s"),
+        "rollout_tps": _median(steps, "rollout_tps"),
+        "step_tps": _median(steps, "step_tps"),
+        "rollout_s": _median(steps, "rollout_s"),
+        "step_s": _median(steps, "step_s"),
         "train_infer_kl": _median(steps, "train_infer_kl"),
     }
 
@@ -115,18 +122,25 @@ def compare(run_dirs: list[str], out: str) -> Path:
     def f(x, p=2, unit=""):
         return "-" if x is None else f"{x:.{p}f}{unit}"
 
-    lines = ["| run | draft | co-trained | steps | reward (last 10) | val acc first -> last | acceptance length | "
-             "rollout tok/s | rollout speedup | step tok/s | end-to-end speedup | train-infer KL |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | draft | co-trained | steps | reward (last 10) | val acc first -> last | acceptance length | "
+        "rollout tok/s | rollout speedup | step tok/s | end-to-end speedup | train-infer KL |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in runs:
-        lines.append(f"| {r['run']} | {r['method']} | {'yes' if r['cotrain'] and r['method'] != 'none' else 'no'} | "
-                     f"{r['steps']} | {f(r['reward_last10'], 3)} | {f(r['val_acc_first'])} -> {f(r['val_acc_last'])} | "
-                     f"{f(r['acceptance_length'])} | {f(r['rollout_tps'], 1)} | {f(r['rollout_speedup'], unit='x')} | "
-                     f"{f(r['step_tps'], 1)} | {f(r['e2e_speedup'], unit='x')} | {f(r['train_infer_kl'], 6)} |")
-    note = ("Medians over steps. Speedups are tokens/s ratios against the `none` run"
-            + ("." if base else "; no `none` run given, so no speedups."))
+        lines.append(
+            f"| {r['run']} | {r['method']} | {'yes' if r['cotrain'] and r['method'] != 'none' else 'no'} | "
+            f"{r['steps']} | {f(r['reward_last10'], 3)} | {f(r['val_acc_first'])} -> {f(r['val_acc_last'])} | "
+            f"{f(r['acceptance_length'])} | {f(r['rollout_tps'], 1)} | {f(r['rollout_speedup'], unit='x')} | "
+            f"{f(r['step_tps'], 1)} | {f(r['e2e_speedup'], unit='x')} | {f(r['train_infer_kl'], 6)} |"
+        )
+    note = "Medians over steps. Speedups are tokens/s ratios against the `none` run" + (
+        "." if base else "; no `none` run given, so no speedups."
+    )
     (outd / "compare.md").write_text("\n".join(lines) + "\n\n" + note + "\n")
-    (outd / "compare.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "rows"} for r in runs], indent=2) + "\n")
+    (outd / "compare.json").write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "rows"} for r in runs], indent=2) + "\n"
+    )
     _plot_compare(runs, base, outd / "compare.png")
     return outd / "compare.md"
 

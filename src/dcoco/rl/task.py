@@ -62,8 +62,16 @@ def arithmetic_reward(text: str, answer: int, partial_credit: float) -> float:
 class ArithmeticTask:
     OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
-    def __init__(self, ops=("+", "-"), min_operand: int = 0, max_operand: int = 20, val_size: int = 64,
-                 val_permille: int = 100, partial_credit: float = 0.5, seed: int = 0):
+    def __init__(
+        self,
+        ops=("+", "-"),
+        min_operand: int = 0,
+        max_operand: int = 20,
+        val_size: int = 64,
+        val_permille: int = 100,
+        partial_credit: float = 0.5,
+        seed: int = 0,
+    ):
         self.ops, self.lo, self.hi = tuple(ops), min_operand, max_operand
         self.val_size, self.val_permille, self.partial_credit, self.seed = val_size, val_permille, partial_credit, seed
         self._val = self._draw(random.Random(f"val:{seed}"), val_size, held_out=True, distinct=True)

@@ -47,7 +47,9 @@ def _as_api_error(err: BaseException) -> ApiError:
     if isinstance(err, ApiError):
         return err
     if isinstance(err, (QueueFullError, ShuttingDownError)):
-        return ApiError(503, str(err), "server_error", None, "queue_full" if isinstance(err, QueueFullError) else "shutting_down")
+        return ApiError(
+            503, str(err), "server_error", None, "queue_full" if isinstance(err, QueueFullError) else "shutting_down"
+        )
     if isinstance(err, DcocoError):
         return bad_request(str(err))
     if isinstance(err, EngineFault):
@@ -132,21 +134,32 @@ def create_app(
         if name is None:
             return model_name
         if name not in names:
-            raise ApiError(404, f"The model `{name}` does not exist. Available: {', '.join(names)}",
-                           "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. Available: {', '.join(names)}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return name
 
     def check_length(n_prompt: int, max_tokens: Optional[int], prompt_param: str, tokens_param: str) -> int:
         ctx = target.max_context
         if n_prompt + 1 > ctx:
-            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, your prompt has "
-                              f"{n_prompt} tokens, which leaves no room to generate. Please shorten the prompt.",
-                              prompt_param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                f"{n_prompt} tokens, which leaves no room to generate. Please shorten the prompt.",
+                prompt_param,
+                "context_length_exceeded",
+            )
         if max_tokens is not None and max_tokens >= 1 and n_prompt + max_tokens > ctx:
-            raise bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                              f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
-                              f"completion). Please reduce the prompt or {tokens_param}.",
-                              tokens_param, "context_length_exceeded")
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or {tokens_param}.",
+                tokens_param,
+                "context_length_exceeded",
+            )
         return ctx - n_prompt
 
     def encode(prompt: Any, chat: bool, param: str) -> list[int]:
@@ -207,7 +220,12 @@ def create_app(
 
         def choice(index: int, text: str, finish: Optional[str]) -> dict:
             if chat:
-                return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+                return {
+                    "index": index,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
             return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
         async def gen():
@@ -215,8 +233,18 @@ def create_app(
             try:
                 if chat:
                     for h in sub.handles:
-                        yield _sse(chunk([{"index": h.index, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
+                        yield _sse(
+                            chunk(
+                                [
+                                    {
+                                        "index": h.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
+                        )
                 while len(finals) < len(sub.handles):
                     ev = await sub.queue.get()
                     if ev.error is not None:
@@ -239,8 +267,9 @@ def create_app(
             finally:  # the client went away (cancelled) or we are done: free the slots
                 aeng.abort(sub)
 
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     # -- routes -----------------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -267,9 +296,13 @@ def create_app(
         if events is None:
             return JSONResponse({}, status_code=499)
         return {
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-            "choices": [{"index": e.index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
-                        for e in events],
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [
+                {"index": e.index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason} for e in events
+            ],
             "usage": usage(events),
         }
 
@@ -294,24 +327,50 @@ def create_app(
         if events is None:
             return JSONResponse({}, status_code=499)
         return {
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
-            "choices": [{"index": e.index, "message": {"role": "assistant", "content": e.text},
-                         "logprobs": None, "finish_reason": e.finish_reason} for e in events],
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": [
+                {
+                    "index": e.index,
+                    "message": {"role": "assistant", "content": e.text},
+                    "logprobs": None,
+                    "finish_reason": e.finish_reason,
+                }
+                for e in events
+            ],
             "usage": usage(events),
         }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": created, "owned_by": "dcoco", "root": model_name,
-             "max_model_len": target.max_context} for n in names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "dcoco",
+                    "root": model_name,
+                    "max_model_len": target.max_context,
+                }
+                for n in names
+            ],
+        }
 
     @app.get("/health")
     async def health():
         running, waiting = aeng.load()
         ok = aeng.accepting
-        body = {"status": "ok" if ok else "unavailable", "model": model_name, "running": running, "waiting": waiting,
-                **info}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": model_name,
+            "running": running,
+            "waiting": waiting,
+            **info,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")

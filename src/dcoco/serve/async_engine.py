@@ -67,8 +67,16 @@ class Event:
 class Handle:
     """Server-side state of one engine request (one choice of an HTTP request)."""
 
-    def __init__(self, rid: int, index: int, prompt_ids: list[int], params: SamplingParams, stream: bool,
-                 sub: "Submission", draft_room: int):
+    def __init__(
+        self,
+        rid: int,
+        index: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        sub: "Submission",
+        draft_room: int,
+    ):
         self.rid = rid
         self.index = index
         self.prompt_ids = prompt_ids
@@ -154,8 +162,9 @@ class AsyncEngine:
 
     def _fresh_engine(self) -> SpeculativeEngine:
         old = self._engine
-        eng = SpeculativeEngine(old.target, old.drafter, old.num_speculative_tokens, old.max_batch_size,
-                                draft_policy=self.policy)
+        eng = SpeculativeEngine(
+            old.target, old.drafter, old.num_speculative_tokens, old.max_batch_size, draft_policy=self.policy
+        )
         return self._prepare(eng)
 
     @property
@@ -225,8 +234,13 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._aborts or self._stopping or self._active
-                           or (self._pending and self._can_admit())):
+                while not (
+                    self._inbox
+                    or self._aborts
+                    or self._stopping
+                    or self._active
+                    or (self._pending and self._can_admit())
+                ):
                     self._cv.wait()
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, set()
@@ -337,13 +351,16 @@ class AsyncEngine:
             h.counted = n
         m = min(n, len(h.sent_ids))
         if ids[:m] != h.sent_ids[:m]:
-            raise EngineFault("the request was restarted after an engine error and its regeneration "
-                              "diverged from the tokens already streamed")
+            raise EngineFault(
+                "the request was restarted after an engine error and its regeneration "
+                "diverged from the tokens already streamed"
+            )
         if finished:
             text = req.text or ""
-            new_text = text[len(h.sent_text):] if text.startswith(h.sent_text) else ""
-            ev = Event(h.index, new_text, list(ids[len(h.sent_ids):]), req.finish_reason or "length",
-                       len(h.prompt_ids), n)
+            new_text = text[len(h.sent_text) :] if text.startswith(h.sent_text) else ""
+            ev = Event(
+                h.index, new_text, list(ids[len(h.sent_ids) :]), req.finish_reason or "length", len(h.prompt_ids), n
+            )
             h.sent_ids, h.sent_text = list(ids), text
             self._finish(h, ev.finish_reason, ev)
             return
@@ -353,7 +370,7 @@ class AsyncEngine:
         if h.holdback:  # a stop string may still be forming at the end: hold back its length - 1
             text = text[: max(len(h.sent_text), len(text) - h.holdback)]
         if len(text) > len(h.sent_text) and text.startswith(h.sent_text):
-            h.push(Event(h.index, text[len(h.sent_text):], list(ids[len(h.sent_ids):])))
+            h.push(Event(h.index, text[len(h.sent_text) :], list(ids[len(h.sent_ids) :])))
             h.sent_ids, h.sent_text = list(ids), text
 
     def _finish(self, h: Handle, reason: str, ev: Optional[Event] = None) -> None:

@@ -113,7 +113,10 @@ class Client:
             c.request("POST", self.prefix + path, body=json.dumps(body), headers={"Content-Type": "application/json"})
             r = c.getresponse()
             if r.status != 200:
-                return {"error": f"HTTP {r.status}: {r.read()[:300].decode('utf-8', 'replace')}", "e2e_s": time.perf_counter() - t0}
+                return {
+                    "error": f"HTTP {r.status}: {r.read()[:300].decode('utf-8', 'replace')}",
+                    "e2e_s": time.perf_counter() - t0,
+                }
             while True:
                 line = r.readline()
                 if not line:
@@ -140,13 +143,23 @@ class Client:
         finally:
             c.close()
         e2e = time.perf_counter() - t0
-        return {"ttft_s": first if first is not None else e2e, "e2e_s": e2e, "text": "".join(text),
-                "completion_tokens": (usage or {}).get("completion_tokens", 0), "error": None}
+        return {
+            "ttft_s": first if first is not None else e2e,
+            "e2e_s": e2e,
+            "text": "".join(text),
+            "completion_tokens": (usage or {}).get("completion_tokens", 0),
+            "error": None,
+        }
 
 
 def request_body(prompt: dict, model: str, args) -> tuple[str, dict]:
-    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.seed is not None:
@@ -163,7 +176,9 @@ def _spec_counters(client: Client) -> dict[str, float]:
     if status != 200:
         return {}
     m = parse_prometheus(text)
-    return {k: m.get(f"dcoco:spec_decode_{k}_total", 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return {
+        k: m.get(f"dcoco:spec_decode_{k}_total", 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
 
 
 def run_server_level(client: Client, model: str, prompts: list[dict], conc: int, args) -> dict:
@@ -196,18 +211,25 @@ def run_server_level(client: Client, model: str, prompts: list[dict], conc: int,
     toks = sum(r["completion_tokens"] for r in ok)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     row = {
-        "mode": "server", "concurrency": conc, "requests": len(results), "errors": len(results) - len(ok),
-        "output_tokens": toks, "wall_s": round(wall, 4),
+        "mode": "server",
+        "concurrency": conc,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "output_tokens": toks,
+        "wall_s": round(wall, 4),
         "output_tokens_per_s": round(toks / wall, 3) if wall > 0 else 0.0,
         "requests_per_s": round(len(ok) / wall, 4) if wall > 0 else 0.0,
         "ttft_p50_s": _round(_pct([r["ttft_s"] for r in ok], 0.5)),
         "ttft_p90_s": _round(_pct([r["ttft_s"] for r in ok], 0.9)),
         "e2e_p50_s": _round(_pct([r["e2e_s"] for r in ok], 0.5)),
         "e2e_p90_s": _round(_pct([r["e2e_s"] for r in ok], 0.9)),
-        "num_drafts": int(d.get("num_drafts", 0)), "draft_tokens": int(d.get("num_draft_tokens", 0)),
+        "num_drafts": int(d.get("num_drafts", 0)),
+        "draft_tokens": int(d.get("num_draft_tokens", 0)),
         "accepted_tokens": int(d.get("num_accepted_tokens", 0)),
     }
-    row["mean_acceptance_length"] = _round(1 + row["accepted_tokens"] / row["num_drafts"]) if row["num_drafts"] else None
+    row["mean_acceptance_length"] = (
+        _round(1 + row["accepted_tokens"] / row["num_drafts"]) if row["num_drafts"] else None
+    )
     errs = [r["error"] for r in results if r["error"]]
     if errs:
         row["first_error"] = errs[0]
@@ -231,13 +253,15 @@ def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict]
     if args.threads:
         torch.set_num_threads(args.threads)
     target = Target.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-    cfg = SpeculativeConfig.parse({"method": args.method, "model": args.drafter,
-                                   "num_speculative_tokens": args.num_speculative_tokens})
+    cfg = SpeculativeConfig.parse(
+        {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
+    )
     drafter = load_drafter(cfg, target)
     ids = [target.encode(p["messages"] if "messages" in p else p["token_ids"]) for p in prompts]
     reqs = [ids[i % len(ids)] for i in range(args.num_requests)]
-    sp = SamplingParams.make(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                             ignore_eos=args.ignore_eos)
+    sp = SamplingParams.make(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos
+    )
     variants = [v for v in args.offline_variants.split(",") if v]
     rows = []
 
@@ -254,24 +278,38 @@ def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict]
             if variant not in ("vanilla", "fixed", "load-aware"):
                 raise SystemExit(f"loadgen: unknown offline variant {variant!r}")
             _, st = make(variant, conc).generate(reqs, sp)
-            rows.append({
-                "mode": f"offline-{variant}", "concurrency": conc, "requests": len(reqs), "errors": 0,
-                "output_tokens": st.output_tokens, "wall_s": round(st.wall_s, 4),
-                "output_tokens_per_s": round(st.tokens_per_second, 3),
-                "requests_per_s": round(len(reqs) / st.wall_s, 4) if st.wall_s > 0 else 0.0,
-                "num_drafts": st.num_drafts, "draft_tokens": st.drafted, "accepted_tokens": st.accepted,
-                "verify_passes": st.verify_passes,
-                "mean_acceptance_length": _round(1 + st.accepted / st.num_drafts) if st.num_drafts else None,
-                "tokens_per_pass": _round(st.acceptance_length),
-            })
+            rows.append(
+                {
+                    "mode": f"offline-{variant}",
+                    "concurrency": conc,
+                    "requests": len(reqs),
+                    "errors": 0,
+                    "output_tokens": st.output_tokens,
+                    "wall_s": round(st.wall_s, 4),
+                    "output_tokens_per_s": round(st.tokens_per_second, 3),
+                    "requests_per_s": round(len(reqs) / st.wall_s, 4) if st.wall_s > 0 else 0.0,
+                    "num_drafts": st.num_drafts,
+                    "draft_tokens": st.drafted,
+                    "accepted_tokens": st.accepted,
+                    "verify_passes": st.verify_passes,
+                    "mean_acceptance_length": _round(1 + st.accepted / st.num_drafts) if st.num_drafts else None,
+                    "tokens_per_pass": _round(st.acceptance_length),
+                }
+            )
             print(f"loadgen: offline {variant:10s} c={conc:3d}: {st.tokens_per_second:8.1f} tok/s", file=sys.stderr)
     for r in rows:  # speedup over vanilla at the same concurrency
         base = next((b for b in rows if b["mode"] == "offline-vanilla" and b["concurrency"] == r["concurrency"]), None)
         if base and base["output_tokens_per_s"]:
             r["speedup_vs_vanilla"] = round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
-    info = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "method": cfg.method, "num_speculative_tokens": k,
-            "dtype": args.dtype, "device": args.device, "draft_token_budget": args.draft_token_budget,
-            "load_aware_table": LoadAwarePolicy(args.draft_token_budget).table(k, concs) if drafter is not None else None}
+    info = {
+        "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+        "method": cfg.method,
+        "num_speculative_tokens": k,
+        "dtype": args.dtype,
+        "device": args.device,
+        "draft_token_budget": args.draft_token_budget,
+        "load_aware_table": LoadAwarePolicy(args.draft_token_budget).table(k, concs) if drafter is not None else None,
+    }
     return rows, info
 
 
@@ -281,8 +319,14 @@ def machine() -> dict:
 
     from ..bench.system import cpu_model, git_commit
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "git_commit": git_commit()}
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+    }
 
 
 def _f(x, nd=2) -> str:
@@ -292,18 +336,25 @@ def _f(x, nd=2) -> str:
 def markdown(result: dict) -> str:
     s = result["settings"]
     m = result["machine"]
-    lines = [f"# dcoco serving load test{' (' + s['label'] + ')' if s.get('label') else ''}", "",
-             f"- command: `{s['command']}`",
-             f"- {s['num_requests']} requests per level, max_tokens {s['max_tokens']}, temperature {s['temperature']}, "
-             f"ignore_eos {s['ignore_eos']}, prompts `{s['dataset']}`",
-             f"- machine: {m['cpu']} ({m['cores']} cores, torch threads {m['torch_threads']}), torch {m['torch']}, "
-             f"git {m['git_commit']}"]
+    lines = [
+        f"# dcoco serving load test{' (' + s['label'] + ')' if s.get('label') else ''}",
+        "",
+        f"- command: `{s['command']}`",
+        f"- {s['num_requests']} requests per level, max_tokens {s['max_tokens']}, temperature {s['temperature']}, "
+        f"ignore_eos {s['ignore_eos']}, prompts `{s['dataset']}`",
+        f"- machine: {m['cpu']} ({m['cores']} cores, torch threads {m['torch_threads']}), torch {m['torch']}, "
+        f"git {m['git_commit']}",
+    ]
     if result.get("server"):
         lines.append(f"- server: {json.dumps(result['server'])}")
     if result.get("offline"):
         lines.append(f"- offline: {json.dumps(result['offline'])}")
-    lines += ["", "Output tokens/s = sum of completion tokens / wall time of the level. Acceptance length is "
-              "vLLM's mean `1 + accepted / drafts` (passes that drafted nothing are not counted).", ""]
+    lines += [
+        "",
+        "Output tokens/s = sum of completion tokens / wall time of the level. Acceptance length is "
+        "vLLM's mean `1 + accepted / drafts` (passes that drafted nothing are not counted).",
+        "",
+    ]
     head = "| mode | concurrency | requests | errors | output tok/s | req/s | speedup vs offline vanilla | TTFT p50 (s) | TTFT p90 (s) | e2e p50 (s) | e2e p90 (s) | acceptance length |"
     lines += [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     van = {r["concurrency"]: r["output_tokens_per_s"] for r in result["rows"] if r["mode"] == "offline-vanilla"}
@@ -311,9 +362,11 @@ def markdown(result: dict) -> str:
         sp = r.get("speedup_vs_vanilla")
         if sp is None and van.get(r["concurrency"]):
             sp = r["output_tokens_per_s"] / van[r["concurrency"]]
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {_f(r['output_tokens_per_s'], 1)} | "
-                     f"{_f(r['requests_per_s'], 2)} | {_f(sp)} | {_f(r.get('ttft_p50_s'), 3)} | {_f(r.get('ttft_p90_s'), 3)} | "
-                     f"{_f(r.get('e2e_p50_s'), 3)} | {_f(r.get('e2e_p90_s'), 3)} | {_f(r.get('mean_acceptance_length'))} |")
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {_f(r['output_tokens_per_s'], 1)} | "
+            f"{_f(r['requests_per_s'], 2)} | {_f(sp)} | {_f(r.get('ttft_p50_s'), 3)} | {_f(r.get('ttft_p90_s'), 3)} | "
+            f"{_f(r.get('e2e_p50_s'), 3)} | {_f(r.get('e2e_p90_s'), 3)} | {_f(r.get('mean_acceptance_length'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -321,8 +374,12 @@ def plot(result: dict, path: Path) -> None:
     s = result["settings"]
     modes = sorted({r["mode"] for r in result["rows"]}, key=lambda m: (m != "server", m))
     series = {m: {r["concurrency"]: r["output_tokens_per_s"] for r in result["rows"] if r["mode"] == m} for m in modes}
-    plot_series(series, f"dcoco serving: {s['num_requests']} requests x {s['max_tokens']} tokens"
-                + (f" ({s['label']})" if s.get("label") else ""), path)
+    plot_series(
+        series,
+        f"dcoco serving: {s['num_requests']} requests x {s['max_tokens']} tokens"
+        + (f" ({s['label']})" if s.get("label") else ""),
+        path,
+    )
 
 
 def plot_series(series: dict[str, dict[int, float]], title: str, path: Path) -> None:
@@ -337,8 +394,14 @@ def plot_series(series: dict[str, dict[int, float]], title: str, path: Path) -> 
     colours = {f: f"C{i % 10}" for i, f in enumerate(dict.fromkeys(family.values()))}  # one colour per method
     for name, pts in series.items():
         cs = sorted(pts)
-        ax.plot(cs, [pts[c] for c in cs], label=name, color=colours[family[name]],
-                linestyle="--" if "offline" in name else "-", marker="^" if "load-aware" in name else "o")
+        ax.plot(
+            cs,
+            [pts[c] for c in cs],
+            label=name,
+            color=colours[family[name]],
+            linestyle="--" if "offline" in name else "-",
+            marker="^" if "load-aware" in name else "o",
+        )
     concs = sorted({c for pts in series.values() for c in pts})
     if concs and max(concs) > 1:
         ax.set_xscale("log", base=2)
@@ -368,18 +431,28 @@ def compare(dirs: Sequence[str], out: Path) -> Path:
         settings = settings or res["settings"]
         label = res["settings"].get("label") or Path(d).name
         for r in res["rows"]:
-            name = "vanilla (offline engine)" if r["mode"] == "offline-vanilla" else (
-                f"{label} (HTTP)" if r["mode"] == "server" else f"{label} ({r['mode']})")
+            name = (
+                "vanilla (offline engine)"
+                if r["mode"] == "offline-vanilla"
+                else (f"{label} (HTTP)" if r["mode"] == "server" else f"{label} ({r['mode']})")
+            )
             series.setdefault(name, {})[r["concurrency"]] = r["output_tokens_per_s"]
             accept.setdefault(name, {})[r["concurrency"]] = r.get("mean_acceptance_length")
     series = dict(sorted(series.items(), key=lambda kv: not kv[0].startswith("vanilla")))  # baselines first
     concs = sorted({c for pts in series.values() for c in pts})
     van = series.get("vanilla (offline engine)", {})
-    lines = ["# dcoco serving sweep", "",
-             f"- {settings['num_requests']} requests per level, max_tokens {settings['max_tokens']}, temperature "
-             f"{settings['temperature']}, prompts `{settings['dataset']}`; runs: " + ", ".join(f"`{Path(d).name}`" for d in dirs), "",
-             "Output tokens/s (ratio to the offline vanilla engine at the same concurrency; acceptance length):", "",
-             "| series | " + " | ".join(f"C={c}" for c in concs) + " |", "|---|" + "---:|" * len(concs)]
+    lines = [
+        "# dcoco serving sweep",
+        "",
+        f"- {settings['num_requests']} requests per level, max_tokens {settings['max_tokens']}, temperature "
+        f"{settings['temperature']}, prompts `{settings['dataset']}`; runs: "
+        + ", ".join(f"`{Path(d).name}`" for d in dirs),
+        "",
+        "Output tokens/s (ratio to the offline vanilla engine at the same concurrency; acceptance length):",
+        "",
+        "| series | " + " | ".join(f"C={c}" for c in concs) + " |",
+        "|---|" + "---:|" * len(concs),
+    ]
     for name, pts in series.items():
         cells = []
         for c in concs:
@@ -396,8 +469,11 @@ def compare(dirs: Sequence[str], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     md = out / "sweep.md"
     md.write_text("\n".join(lines) + "\n")
-    plot_series(series, f"dcoco serving sweep: {settings['num_requests']} requests x {settings['max_tokens']} tokens",
-                out / "sweep.png")
+    plot_series(
+        series,
+        f"dcoco serving sweep: {settings['num_requests']} requests x {settings['max_tokens']} tokens",
+        out / "sweep.png",
+    )
     return md
 
 
@@ -415,7 +491,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--label", default="", help="a label for the report title (e.g. 'smoke run')")
-    p.add_argument("--offline", action="store_true", help="also run the sweep through the offline engine in this process")
+    p.add_argument(
+        "--offline", action="store_true", help="also run the sweep through the offline engine in this process"
+    )
     p.add_argument("--offline-variants", default="vanilla,fixed,load-aware")
     p.add_argument("--model", default=None, help="offline: HF model directory (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -425,8 +503,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--draft-token-budget", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--compare", default=None, metavar="DIR,DIR,...",
-                   help="only combine earlier runs' loadgen.json into --out/sweep.md and sweep.png")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="DIR,DIR,...",
+        help="only combine earlier runs' loadgen.json into --out/sweep.md and sweep.png",
+    )
     args = p.parse_args(argv)
     if args.compare:
         return args
@@ -454,12 +536,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompts = load_prompts(args.dataset, None if args.dataset == "builtin" else args.num_requests)
     concs = args.concurrency_levels
     result = {
-        "settings": {"command": "python -m dcoco.serve.loadgen " + " ".join(sys.argv[1:] if argv is None else argv),
-                     "url": args.url, "concurrency": concs, "num_requests": args.num_requests,
-                     "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
-                     "ignore_eos": args.ignore_eos, "dataset": args.dataset, "label": args.label,
-                     "time": time.strftime("%Y-%m-%d %H:%M:%S")},
-        "machine": machine(), "server": None, "offline": None, "rows": [],
+        "settings": {
+            "command": "python -m dcoco.serve.loadgen " + " ".join(sys.argv[1:] if argv is None else argv),
+            "url": args.url,
+            "concurrency": concs,
+            "num_requests": args.num_requests,
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "ignore_eos": args.ignore_eos,
+            "dataset": args.dataset,
+            "label": args.label,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "machine": machine(),
+        "server": None,
+        "offline": None,
+        "rows": [],
     }
     if args.url:
         client = Client(args.url)
@@ -476,8 +569,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for conc in concs:
             row = run_server_level(client, model, prompts, conc, args)
             result["rows"].append(row)
-            print(f"loadgen: server             c={conc:3d}: {row['output_tokens_per_s']:8.1f} tok/s, "
-                  f"{row['errors']} errors, TTFT p50 {row['ttft_p50_s']}s", file=sys.stderr)
+            print(
+                f"loadgen: server             c={conc:3d}: {row['output_tokens_per_s']:8.1f} tok/s, "
+                f"{row['errors']} errors, TTFT p50 {row['ttft_p50_s']}s",
+                file=sys.stderr,
+            )
     if args.offline:
         rows, info = run_offline(args, prompts, concs)
         result["rows"] += rows

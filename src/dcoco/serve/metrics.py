@@ -29,8 +29,29 @@ import bisect
 import threading
 from typing import Iterable
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 
 
 def _fmt(v: float) -> str:
@@ -162,7 +183,9 @@ class ServerMetrics:
             L.append(f"dcoco:spec_decode_draft_block_size{_labels(model_name=m)} {self.block_size}")
             head("dcoco:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.")
             L += self.ttft.render("dcoco:time_to_first_token_seconds", m)
-            head("dcoco:e2e_request_latency_seconds", "histogram", "Histogram of end to end request latency in seconds.")
+            head(
+                "dcoco:e2e_request_latency_seconds", "histogram", "Histogram of end to end request latency in seconds."
+            )
             L += self.e2e.render("dcoco:e2e_request_latency_seconds", m)
             head("dcoco:request_queue_time_seconds", "histogram", "Histogram of time spent waiting to join the batch.")
             L += self.queue_time.render("dcoco:request_queue_time_seconds", m)

@@ -21,8 +21,14 @@ from ..sampling import SamplingParams
 class ApiError(Exception):
     """Becomes `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -92,9 +98,17 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 
 def check_unsupported(req: _Common) -> None:
-    neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0.0),
-               "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "echo": (None, False),
-               "best_of": (None, 1), "suffix": (None, ""), "tools": (None, [])}
+    neutral = {
+        "logprobs": (None, False, 0),
+        "top_logprobs": (None, 0),
+        "presence_penalty": (None, 0.0),
+        "frequency_penalty": (None, 0.0),
+        "logit_bias": (None, {}),
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "suffix": (None, ""),
+        "tools": (None, []),
+    }
     for name, ok in neutral.items():
         if hasattr(req, name) and getattr(req, name) not in ok:
             raise bad_request(f"{name} is not supported by this server", name)

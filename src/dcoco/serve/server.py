@@ -30,7 +30,9 @@ def build_engine(
     target: Optional[Target] = None,
 ) -> SpeculativeEngine:
     """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
-    cfg = SpeculativeConfig.parse({"method": method, "model": drafter, "num_speculative_tokens": num_speculative_tokens})
+    cfg = SpeculativeConfig.parse(
+        {"method": method, "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+    )
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if load_aware and draft_token_budget < 1:
@@ -52,8 +54,8 @@ def model_name_for(model: Optional[str]) -> str:
 class ServerThread:
     """Runs an ASGI app under uvicorn in a background thread on `host:port` (port 0: a free one).
 
-        with ServerThread(app) as srv:
-            requests.get(srv.url + "/health")
+    with ServerThread(app) as srv:
+        requests.get(srv.url + "/health")
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
@@ -102,23 +104,39 @@ def run_server(args) -> int:
 
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
-    for flag, v in (("--max-tokens-in-flight", args.max_tokens_in_flight), ("--default-max-tokens", args.default_max_tokens)):
+    for flag, v in (
+        ("--max-tokens-in-flight", args.max_tokens_in_flight),
+        ("--default-max-tokens", args.default_max_tokens),
+    ):
         if v is not None and v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")
     engine = build_engine(
-        model=args.model, dtype=args.dtype, device=args.device, method=args.method, drafter=args.drafter,
-        num_speculative_tokens=args.num_speculative_tokens, max_batch_size=args.max_batch_size,
-        load_aware=args.load_aware, draft_token_budget=args.draft_token_budget,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        method=args.method,
+        drafter=args.drafter,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_batch_size=args.max_batch_size,
+        load_aware=args.load_aware,
+        draft_token_budget=args.draft_token_budget,
     )
     name = args.served_model_name or model_name_for(args.model)
     k = engine.num_speculative_tokens
     policy = engine.draft_policy
     how = f"load-aware {policy.table(k)} (batch size, k)" if policy is not None else f"k={k}"
-    app = create_app(engine, name, max_queue=args.max_queue, max_tokens_in_flight=args.max_tokens_in_flight,
-                     default_max_tokens=args.default_max_tokens)
-    print(f"dcoco serve: model {name} ({engine.target.dtype}, {engine.target.device}), method {args.method}, {how}, "
-          f"max batch {engine.max_batch_size}, max queue {args.max_queue}; http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
+    app = create_app(
+        engine,
+        name,
+        max_queue=args.max_queue,
+        max_tokens_in_flight=args.max_tokens_in_flight,
+        default_max_tokens=args.default_max_tokens,
+    )
+    print(
+        f"dcoco serve: model {name} ({engine.target.dtype}, {engine.target.device}), method {args.method}, {how}, "
+        f"max batch {engine.max_batch_size}, max queue {args.max_queue}; http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
     logging.basicConfig(level=logging.WARNING)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5)
     return 0

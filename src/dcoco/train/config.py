@@ -60,15 +60,21 @@ class DrafterSection(_Section):
     dspark_l1_weight: float = 0.9
     dspark_confidence_weight: float = 1.0
     # EAGLE-3 (method: eagle3; one decoder layer as published, num_layers / block_size / num_features unused)
-    eagle_layer_ids: Optional[list[int]] = None  # 0-based decoder-layer ids (tap = id + 1); None: low/mid/high from the data's taps
+    eagle_layer_ids: Optional[list[int]] = (
+        None  # 0-based decoder-layer ids (tap = id + 1); None: low/mid/high from the data's taps
+    )
     # draft vocabulary: the most frequent response tokens of the training data. EAGLE-3 trains its LM
     # head on them (d2t / t2d); the DFlash family keeps the full head for its loss and scores only
     # these rows at inference (`draft_ids`). >= the vocabulary size: no draft vocabulary
     draft_vocab_size: int = 8192
     ttt_steps: int = 7  # unrolled training-time-test steps
     ttt_decay: float = 0.8  # step j of the unroll is weighted ttt_decay ** j
-    ttt_slots: Optional[int] = None  # start slots per sequence whose chains are unrolled (sampled like anchors); None: all
-    num_speculative_tokens: Optional[int] = None  # default draft tokens per pass stored in the checkpoint (None: ttt_steps / block_size - 1)
+    ttt_slots: Optional[int] = (
+        None  # start slots per sequence whose chains are unrolled (sampled like anchors); None: all
+    )
+    num_speculative_tokens: Optional[int] = (
+        None  # default draft tokens per pass stored in the checkpoint (None: ttt_steps / block_size - 1)
+    )
 
 
 class OptimSection(_Section):

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..drafters.base import DraftInput, DraftOutput, Drafter
+from ..drafters.base import Drafter, DraftInput, DraftOutput
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..sampling import SamplingParams
@@ -146,7 +146,9 @@ class RegeneratedUnion:
             other = part.manifest
             diff = [k for k in self.MUST_MATCH if first.get(k) != other.get(k)]
             if diff:
-                raise ConfigError(f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together")
+                raise ConfigError(
+                    f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together"
+                )
         return first
 
     @property
@@ -258,7 +260,11 @@ def regenerate(
                 except StopIteration:
                     todo = submitted
                     break
-                sp = sampling if sampling.seed is None else sampling.model_copy(update={"seed": sampling.seed + len(done) + submitted})
+                sp = (
+                    sampling
+                    if sampling.seed is None
+                    else sampling.model_copy(update={"seed": sampling.seed + len(done) + submitted})
+                )
                 req = engine.add_request(ids, sp)
                 meta[req.request_id] = (prompt, ids)
                 submitted += 1
@@ -270,13 +276,15 @@ def regenerate(
                     n = len(ids) + len(req.output_ids) - 1
                     tensors[prompt.id] = recorder.collect(req)[:n].contiguous()
                 chat = all(isinstance(m, dict) for m in prompt.messages)
-                pending.append({
-                    "id": prompt.id,
-                    "conversations": prompt.messages + [{"role": "assistant", "content": req.text}] if chat else [],
-                    "input_ids": ids + req.output_ids,
-                    "prompt_len": len(ids),
-                    "finish_reason": req.finish_reason,
-                })
+                pending.append(
+                    {
+                        "id": prompt.id,
+                        "conversations": prompt.messages + [{"role": "assistant", "content": req.text}] if chat else [],
+                        "input_ids": ids + req.output_ids,
+                        "prompt_len": len(ids),
+                        "finish_reason": req.finish_reason,
+                    }
+                )
                 if bar is not None:
                     bar.update(1)
                 if len(pending) >= shard_size:
@@ -291,7 +299,9 @@ def regenerate(
     return data
 
 
-def _fresh_prompts(prompts: Iterable[Prompt], done: set, target, max_prompt_tokens: int) -> Iterator[tuple[Prompt, list[int]]]:
+def _fresh_prompts(
+    prompts: Iterable[Prompt], done: set, target, max_prompt_tokens: int
+) -> Iterator[tuple[Prompt, list[int]]]:
     seen = set(done)
     for p in prompts:
         if p.id in seen:

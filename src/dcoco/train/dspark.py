@@ -64,7 +64,8 @@ def attach_target_head(trainer) -> int:
     if L not in taps:
         raise ConfigError(
             f"method {trainer.cfg.method} recomputes the target distribution from the last layer (tap {L}), but "
-            f"{trainer.data.root} has taps {taps}: regenerate the data with `dcoco data regenerate`")
+            f"{trainer.data.root} has taps {taps}: regenerate the data with `dcoco data regenerate`"
+        )
     split = len(trainer.tap_index) * H
     trainer.tap_index = list(trainer.tap_index) + [taps.index(L) * H]
     return split
@@ -73,8 +74,12 @@ def attach_target_head(trainer) -> int:
 # -- model ---------------------------------------------------------------------------------------
 def dspark_config(d) -> DSparkConfig:
     """`DSparkConfig` from the `drafter` section of a training config."""
-    return DSparkConfig(markov_rank=d.markov_rank, anchor_slot=d.anchor_slot, confidence_head=d.confidence_head,
-                        confidence_threshold=d.confidence_threshold)
+    return DSparkConfig(
+        markov_rank=d.markov_rank,
+        anchor_slot=d.anchor_slot,
+        confidence_head=d.confidence_head,
+        confidence_threshold=d.confidence_threshold,
+    )
 
 
 def load_dspark_init(path: Optional[str]) -> Optional[DSparkModel]:
@@ -92,15 +97,31 @@ def dspark_from_backbone(backbone: DFlashModel, d) -> DSparkModel:
     """Fresh Markov / confidence heads on a (fresh or warm-started) DFlash backbone."""
     model = DSparkModel(backbone.cfg, dspark_config(d))
     own = model.state_dict()
-    model.load_state_dict({k: v for k, v in backbone.state_dict().items() if k in own and not k.startswith(
-        ("markov_head.", "confidence_head."))}, strict=False)
+    model.load_state_dict(
+        {
+            k: v
+            for k, v in backbone.state_dict().items()
+            if k in own and not k.startswith(("markov_head.", "confidence_head."))
+        },
+        strict=False,
+    )
     return model
 
 
 # -- loss ----------------------------------------------------------------------------------------
 class DSparkLoss(DrafterLoss):
-    def __init__(self, model: DSparkModel, embed, lm_head, gamma: float, head: TargetHead, split: int,
-                 ce_weight: float = 0.1, l1_weight: float = 0.9, confidence_weight: float = 1.0):
+    def __init__(
+        self,
+        model: DSparkModel,
+        embed,
+        lm_head,
+        gamma: float,
+        head: TargetHead,
+        split: int,
+        ce_weight: float = 0.1,
+        l1_weight: float = 0.9,
+        confidence_weight: float = 1.0,
+    ):
         super().__init__(model, embed, lm_head, gamma)
         self.head, self.split = head, split
         self.ce_weight, self.l1_weight, self.confidence_weight = ce_weight, l1_weight, confidence_weight
@@ -131,8 +152,11 @@ class DSparkLoss(DrafterLoss):
         accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
         ce_l, l1_l = (ce * w).sum() / wsum, (l1 * w).sum() / wsum
         loss = self.ce_weight * ce_l + self.l1_weight * l1_l
-        m = {"ce_loss": ce_l.item(), "l1_loss": l1_l.item(),
-             "accept_est": ((accept * valid).sum() / valid.sum().clamp_min(1)).item()}
+        m = {
+            "ce_loss": ce_l.item(),
+            "l1_loss": l1_l.item(),
+            "accept_est": ((accept * valid).sum() / valid.sum().clamp_min(1)).item(),
+        }
         if conf is not None:
             bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
             bce_l = (bce * w).sum() / wsum
@@ -149,8 +173,12 @@ class DSparkLoss(DrafterLoss):
         pred = self.predictions(extras)
         tau, pp = acceptance_from_predictions(pred[""], labels)
         tau_base, _ = acceptance_from_predictions(pred["_no_markov"], labels)
-        out = {"eval_tau": tau, "eval_per_position": pp, "eval_tau_no_markov": tau_base,
-               **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
+        out = {
+            "eval_tau": tau,
+            "eval_per_position": pp,
+            "eval_tau_no_markov": tau_base,
+            **{f"eval_{k}": v for k, v in extras["metrics"].items()},
+        }
         if extras["confidence"] is not None:
             valid = labels != -100
             err = (torch.sigmoid(extras["confidence"].float()) - extras["accept"]).abs()
@@ -162,8 +190,17 @@ class DSparkLoss(DrafterLoss):
 def build_dspark_loss(trainer) -> DSparkLoss:
     d, o = trainer.cfg.drafter, trainer.cfg.optim
     split = attach_target_head(trainer)
-    return DSparkLoss(trainer.model, trainer.embed, trainer.lm_head, o.loss_decay_gamma, TargetHead(trainer.target), split,
-                      d.dspark_ce_weight, d.dspark_l1_weight, d.dspark_confidence_weight)
+    return DSparkLoss(
+        trainer.model,
+        trainer.embed,
+        trainer.lm_head,
+        o.loss_decay_gamma,
+        TargetHead(trainer.target),
+        split,
+        d.dspark_ce_weight,
+        d.dspark_l1_weight,
+        d.dspark_confidence_weight,
+    )
 
 
 def export_dspark(trainer, path) -> None:

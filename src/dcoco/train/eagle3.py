@@ -44,7 +44,7 @@ import torch
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, default_eagle_layer_ids, load_eagle3, save_eagle3
 from ..errors import ConfigError
 from .dspark import TargetHead, attach_target_head
-from .trainer import acceptance_from_predictions, is_eval_sample, response_token_counts, sample_anchors, top_tokens
+from .trainer import acceptance_from_predictions, response_token_counts, sample_anchors, top_tokens
 
 
 @dataclass
@@ -57,8 +57,9 @@ class Eagle3Batch:
     slots: Optional[torch.Tensor] = None  # (S, A) start slots of the unrolled chains (-1: padding); None: all (A = T)
 
 
-def make_eagle3_batch(samples: list[dict], feats: list[torch.Tensor], steps: int,
-                      slots: Optional[list[list[int]]] = None) -> Eagle3Batch:
+def make_eagle3_batch(
+    samples: list[dict], feats: list[torch.Tensor], steps: int, slots: Optional[list[list[int]]] = None
+) -> Eagle3Batch:
     """Whole sequences, with chains of `steps` steps from the start slots `slots` (None: every slot).
     Start slot t reads token t + 1 and its step j drafts token t + 2 + j: a chain starting at slot
     a - 1 is the draft that decoding makes after anchor a (the last committed token)."""
@@ -97,13 +98,23 @@ def ttt_weights(steps: int, decay: float) -> torch.Tensor:
 
 
 class Eagle3Loss:
-    def __init__(self, model: Eagle3Model, embed, head: TargetHead, split: int, steps: int = 7, decay: float = 0.8,
-                 slots: Optional[int] = None):
+    def __init__(
+        self,
+        model: Eagle3Model,
+        embed,
+        head: TargetHead,
+        split: int,
+        steps: int = 7,
+        decay: float = 0.8,
+        slots: Optional[int] = None,
+    ):
         self.model, self.embed, self.head, self.split = model, embed, head, split
         self.steps, self.decay, self.slots = steps, decay, slots
         self.weights = ttt_weights(steps, decay)
 
-    def make_batch(self, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator) -> Eagle3Batch:
+    def make_batch(
+        self, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator
+    ) -> Eagle3Batch:
         """Whole sequences; the chains start at `slots` sampled start slots per sequence while training
         (None: every slot) and at `n_anchors` of them for evaluation (the trainer's eval batches)."""
         n = self.slots if self.model.training else n_anchors
@@ -120,7 +131,7 @@ class Eagle3Loss:
     def __call__(self, b: Eagle3Batch) -> tuple[torch.Tensor, dict]:
         model, K = self.model, self.steps
         S, T = b.ids.shape
-        aux, last = b.feats[..., : self.split], b.feats[..., self.split:]
+        aux, last = b.feats[..., : self.split], b.feats[..., self.split :]
         outs = model.unroll(self.embed, b.ids, aux.to(torch.float32), K, b.slots)
         start = torch.arange(T).unsqueeze(0).expand(S, T) if b.slots is None else b.slots.clamp(min=0)
         rows = model.draft_to_target
@@ -188,12 +199,22 @@ def new_eagle3_model(target, layer_ids: list[int], d, draft_ids: Optional[torch.
 def build_eagle3_loss(trainer) -> Eagle3Loss:
     d = trainer.cfg.drafter
     split = attach_target_head(trainer)
-    return Eagle3Loss(trainer.model, trainer.embed, TargetHead(trainer.target), split, d.ttt_steps, d.ttt_decay, d.ttt_slots)
+    return Eagle3Loss(
+        trainer.model, trainer.embed, TargetHead(trainer.target), split, d.ttt_steps, d.ttt_decay, d.ttt_slots
+    )
 
 
 def export_eagle3(trainer, path) -> None:
     save_eagle3(path, trainer.model, extra={"dcoco_ttt_steps": trainer.cfg.drafter.ttt_steps, **trainer.provenance()})
 
 
-__all__ = ["Eagle3Batch", "Eagle3Loss", "build_eagle3_loss", "build_eagle3_model", "export_eagle3",
-           "make_eagle3_batch", "new_eagle3_model", "ttt_weights"]
+__all__ = [
+    "Eagle3Batch",
+    "Eagle3Loss",
+    "build_eagle3_loss",
+    "build_eagle3_model",
+    "export_eagle3",
+    "make_eagle3_batch",
+    "new_eagle3_model",
+    "ttt_weights",
+]

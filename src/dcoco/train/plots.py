@@ -27,7 +27,9 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
     ax[0].plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {k + 1})")
     ev = [r for r in rows if "eval_loss" in r]
     if ev:
-        ax[0].plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss")
+        ax[0].plot(
+            [r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss"
+        )
         xs = [r["step"] for r in ev]
         corrected = "eval_tau_dflash" in ev[-1]  # DCOCO logs the same drafts without correction and the oracle
         mode = "with correction, " if corrected else ""
@@ -35,10 +37,28 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
         if "eval_tau_decode" in ev[-1]:  # the τ greedy decoding gets (each block opens where the last one ended)
             ax[1].plot(xs, [r.get("eval_tau_decode") for r in ev], "D-", color="tab:olive", label=mode + "as decoded")
         if corrected:
-            ax[1].plot(xs, [r.get("eval_tau_dflash") for r in ev], "s--", color="tab:gray", label="same drafts, no correction, random anchors")
+            ax[1].plot(
+                xs,
+                [r.get("eval_tau_dflash") for r in ev],
+                "s--",
+                color="tab:gray",
+                label="same drafts, no correction, random anchors",
+            )
             if "eval_tau_decode_dflash" in ev[-1]:
-                ax[1].plot(xs, [r.get("eval_tau_decode_dflash") for r in ev], "s:", color="tab:gray", label="no correction, as decoded")
-            ax[1].plot(xs, [r.get("eval_tau_oracle") for r in ev], "^:", color="tab:purple", label="oracle (best of shortlist), random anchors")
+                ax[1].plot(
+                    xs,
+                    [r.get("eval_tau_decode_dflash") for r in ev],
+                    "s:",
+                    color="tab:gray",
+                    label="no correction, as decoded",
+                )
+            ax[1].plot(
+                xs,
+                [r.get("eval_tau_oracle") for r in ev],
+                "^:",
+                color="tab:purple",
+                label="oracle (best of shortlist), random anchors",
+            )
         ax[1].legend(fontsize=8)
     ax[0].set_xlabel("step"), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
     ax[1].set_xlabel("step"), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)

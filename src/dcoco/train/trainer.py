@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from ..bench.system import device_label
-from ..drafters.dflash import DFlashConfig, DFlashModel, init_from_target, load_dflash, save_dflash, shortlist, training_mask
+from ..drafters.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    init_from_target,
+    load_dflash,
+    save_dflash,
+    shortlist,
+    training_mask,
+)
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import RegeneratedUnion
@@ -173,8 +181,17 @@ class DCOCOLoss(DrafterLoss):
     trains exactly what T > 0 verification accepts; cross-entropy alone sharpens q on the greedy
     token. It needs a predecessor in the shortlist, not the target token."""
 
-    def __init__(self, model, embed, lm_head, gamma: float, corrector_weight: float, l1_weight: float = 0.0,
-                 head=None, split: Optional[int] = None):
+    def __init__(
+        self,
+        model,
+        embed,
+        lm_head,
+        gamma: float,
+        corrector_weight: float,
+        l1_weight: float = 0.0,
+        head=None,
+        split: Optional[int] = None,
+    ):
         super().__init__(model, embed, lm_head, gamma)
         self.corrector_weight, self.l1_weight = corrector_weight, l1_weight
         self.head, self.split = head, split
@@ -195,19 +212,31 @@ class DCOCOLoss(DrafterLoss):
             anchor = b.ids.gather(1, b.anchors.clamp(min=0)).reshape(-1)
             anchor_hidden = h[:, :, 0].reshape(S * A, -1)
             labels = torch.cat([torch.where(labels[:, :1] != -100, anchor.view(-1, 1), -100), labels], dim=1)
-        ids, vals, scores, hot = self.model.pair_scores(h[:, :, 1:].reshape(S * A, P, -1), logits.reshape(S * A, P, V),
-                                                        self.embed, anchor=anchor, anchor_hidden=anchor_hidden)
+        ids, vals, scores, hot = self.model.pair_scores(
+            h[:, :, 1:].reshape(S * A, P, -1),
+            logits.reshape(S * A, P, V),
+            self.embed,
+            anchor=anchor,
+            anchor_hidden=anchor_hidden,
+        )
         corr, pred, valid_from, m = self.corrector_loss(ids, scores, labels)
         if self.l1_weight > 0:  # on the T > 0 walks' scores (the same as the greedy ones without a sampled head)
             n = min(P, self.model.cfg.num_speculative_tokens or P)
             pt = self.head.next_token_probs(full, self.split, n).reshape(S * A, n, -1)
-            l1, m["t1_accept_est"] = self.distribution_loss(ids, rows_at(hot, pred), labels, valid_from, pt,
-                                                            logits.reshape(S * A, P, V))
+            l1, m["t1_accept_est"] = self.distribution_loss(
+                ids, rows_at(hot, pred), labels, valid_from, pt, logits.reshape(S * A, P, V)
+            )
             m["corrector_l1"] = l1.item()
             corr = corr + self.l1_weight * l1
         m["dflash_loss"] = base.item()
-        return base + self.corrector_weight * corr, {"hidden": h, "logits": logits, "ids": ids, "scores": scores,
-                                                     "sampled_scores": hot, "metrics": m}
+        return base + self.corrector_weight * corr, {
+            "hidden": h,
+            "logits": logits,
+            "ids": ids,
+            "scores": scores,
+            "sampled_scores": hot,
+            "metrics": m,
+        }
 
     def corrector_loss(self, ids: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor):
         """Cross-entropy of S_p(a*, .) towards b*; also returns a*'s shortlist index (n, P-1) and
@@ -234,8 +263,15 @@ class DCOCOLoss(DrafterLoss):
         """exp(-p / gamma) for pairs p = 0..pairs-1, as (1, pairs)."""
         return position_weights(pairs + 1, self.gamma).view(1, -1)
 
-    def distribution_loss(self, ids: torch.Tensor, rows: torch.Tensor, labels: torch.Tensor, pred_present: torch.Tensor,
-                          pt: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def distribution_loss(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        labels: torch.Tensor,
+        pred_present: torch.Tensor,
+        pt: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> tuple[torch.Tensor, float]:
         """Weighted ||q - p_target||_1 over the pairs whose destination slot has p_target (pt (n, m, V)
         for slots 1..m), and the mean expected T=1 acceptance sum min(q, p). q is what the configured
         T > 0 walk draws from: softmax(S_p(a*, .)) over the K candidates, or with `vocab_walk` the
@@ -272,8 +308,13 @@ class DCOCOLoss(DrafterLoss):
         ids = extras["ids"][:, self.model.lead :]
         oracle = torch.where((ids == labels.view(S * A, P, 1)).any(-1).view(S, A, P), labels, -1)
         tau_o, _ = acceptance_from_predictions(oracle, labels)
-        return {"eval_tau": tau_c, "eval_per_position": pp, "eval_tau_dflash": tau_d, "eval_tau_oracle": tau_o,
-                **{f"eval_{k}": v for k, v in extras["metrics"].items()}}
+        return {
+            "eval_tau": tau_c,
+            "eval_per_position": pp,
+            "eval_tau_dflash": tau_d,
+            "eval_tau_oracle": tau_o,
+            **{f"eval_{k}": v for k, v in extras["metrics"].items()},
+        }
 
 
 def rows_at(scores: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -316,7 +357,9 @@ def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: 
     blocks (`batch_at`) at `n_anchors` anchors per sequence sampled from `gen`."""
     if hasattr(loss, "make_batch"):
         return loss.make_batch(samples, feats, n_anchors, gen)
-    return loss.batch_at(samples, feats, [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples])
+    return loss.batch_at(
+        samples, feats, [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
+    )
 
 
 def build_block_model(method: str, d, target) -> DFlashModel:
@@ -336,25 +379,39 @@ def build_block_model(method: str, d, target) -> DFlashModel:
         model, _ = load_dflash(d.init_from)
         mcfg = model.cfg
     else:
-        mcfg = DFlashConfig.for_target(target, num_layers=d.num_layers, block_size=d.block_size,
-                                       num_features=d.num_features, intermediate_size=d.intermediate_size)
+        mcfg = DFlashConfig.for_target(
+            target,
+            num_layers=d.num_layers,
+            block_size=d.block_size,
+            num_features=d.num_features,
+            intermediate_size=d.intermediate_size,
+        )
         model = DFlashModel(mcfg)
         if d.init_from_target:
             init_from_target(model, target)
     if method == "dcoco" and not isinstance(model, DCOCOModel):
         # every corrector setting has a field of the same name in the drafter section (hidden: corrector_hidden)
-        dcfg = DCOCOConfig(**{f: getattr(d, "corrector_hidden" if f == "hidden" else f) for f in DCOCOConfig.model_fields})
+        dcfg = DCOCOConfig(
+            **{f: getattr(d, "corrector_hidden" if f == "hidden" else f) for f in DCOCOConfig.model_fields}
+        )
         backbone = model
         model = DCOCOModel(mcfg, dcfg)
         model.load_state_dict(backbone.state_dict(), strict=False)
     elif method == "dcoco":  # a trained corrector: its shape comes with it, the inference defaults from the config
-        dcfg = model.dcfg.model_copy(update={"sampled_walk": d.sampled_walk, "vocab_walk": d.vocab_walk,
-                                             "sampled_head": model.dcfg.sampled_head or d.sampled_head})
+        dcfg = model.dcfg.model_copy(
+            update={
+                "sampled_walk": d.sampled_walk,
+                "vocab_walk": d.vocab_walk,
+                "sampled_head": model.dcfg.sampled_head or d.sampled_head,
+            }
+        )
         trained = model
         model = DCOCOModel(mcfg, dcfg)  # a sampled head added here starts at zero
         missing, unexpected = model.load_state_dict(trained.state_dict(), strict=False)
         if set(missing) - {"corrector.out_sampled.weight", "corrector.out_sampled.bias"} or unexpected:
-            raise ConfigError(f"{d.init_from}: its weights do not fit its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ConfigError(
+                f"{d.init_from}: its weights do not fit its own config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
     if method == "dspark":
         from .dspark import dspark_from_backbone
 
@@ -363,7 +420,9 @@ def build_block_model(method: str, d, target) -> DFlashModel:
         model.cfg.num_speculative_tokens = d.num_speculative_tokens
     if not d.train_backbone:
         if method != "dcoco":
-            raise ConfigError("drafter.train_backbone: false only applies to method dcoco (it trains the corrector alone)")
+            raise ConfigError(
+                "drafter.train_backbone: false only applies to method dcoco (it trains the corrector alone)"
+            )
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith("corrector."))
     return model.float().train()
@@ -383,8 +442,10 @@ class Trainer:
             raise ConfigError(f"{data.root} was regenerated with another target")
         self.online = cfg.data.features == "online"
         if not self.online and not data.has_features:
-            raise ConfigError(f"{data.root}: no stored target features (regenerated with --no-features); "
-                              "train with data.features=online")
+            raise ConfigError(
+                f"{data.root}: no stored target features (regenerated with --no-features); "
+                "train with data.features=online"
+            )
         self.device = target.device
         self.data_taps = list(man["taps"])
         with torch.device(self.device):  # the drafter, its heads and the loss buffers live by the target
@@ -417,7 +478,8 @@ class Trainer:
         no_decay = [p for p in params if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(0.9, 0.95),
+            lr=o.lr,
+            betas=(0.9, 0.95),
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
         self.step = 0
@@ -451,8 +513,16 @@ class Trainer:
                 from .dspark import TargetHead, attach_target_head
 
                 split, head = attach_target_head(self), TargetHead(self.target)
-            return DCOCOLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma, o.corrector_weight,
-                             o.corrector_l1_weight, head, split)
+            return DCOCOLoss(
+                self.model,
+                self.embed,
+                self.lm_head,
+                o.loss_decay_gamma,
+                o.corrector_weight,
+                o.corrector_l1_weight,
+                head,
+                split,
+            )
         return DrafterLoss(self.model, self.embed, self.lm_head, o.loss_decay_gamma)
 
     def export(self, path: Path) -> None:
@@ -464,10 +534,17 @@ class Trainer:
         save_dflash(path, self.model, method=self.cfg.method, extra=self.provenance())
 
     def provenance(self) -> dict:
-        return {"dcoco_training": {"step": self.step, "train_samples": len(self.train_samples),
-                                   "train_seconds": round(self.train_seconds), "threads": torch.get_num_threads(),
-                                   "device": device_label(str(self.device)),
-                                   "data": str(self.cfg.data.path), "config": self.cfg.model_dump()}}
+        return {
+            "dcoco_training": {
+                "step": self.step,
+                "train_samples": len(self.train_samples),
+                "train_seconds": round(self.train_seconds),
+                "threads": torch.get_num_threads(),
+                "device": device_label(str(self.device)),
+                "data": str(self.cfg.data.path),
+                "config": self.cfg.model_dump(),
+            }
+        }
 
     # -- schedule and data -------------------------------------------------------------------
     def lr_lambda(self, step: int) -> float:
@@ -600,11 +677,19 @@ class Trainer:
         from tqdm import tqdm
 
         o, r = self.cfg.optim, self.cfg.run
-        bar = tqdm(total=o.steps, initial=self.step, desc=f"train {self.cfg.method}", unit="step",
-                   file=sys.stderr, disable=not progress)
+        bar = tqdm(
+            total=o.steps,
+            initial=self.step,
+            desc=f"train {self.cfg.method}",
+            unit="step",
+            file=sys.stderr,
+            disable=not progress,
+        )
         last_eval = None
         finished_on_start = self.step >= o.steps
-        budget_from = (self.step, time.time()) if o.time_budget_s and not self.budget_fixed and not finished_on_start else None
+        budget_from = (
+            (self.step, time.time()) if o.time_budget_s and not self.budget_fixed and not finished_on_start else None
+        )
         try:
             while self.step < o.steps:
                 t0 = time.time()
@@ -674,7 +759,9 @@ class Trainer:
         st = torch.load(path, weights_only=False, map_location="cpu")
         missing, unexpected = self.model.load_state_dict(st["model"], strict=False)
         if set(missing) - {"draft_ids"} or unexpected:  # runs saved before draft vocabularies keep the new one
-            raise ConfigError(f"{path}: saved model does not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ConfigError(
+                f"{path}: saved model does not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
