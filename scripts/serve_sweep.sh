@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving sweep of the README (docs/serving.md): output tokens/s at concurrency 1..32 for vanilla
+# The serving sweep (docs/serving.md, docs/experiments): output tokens/s at concurrency 1..32 for vanilla
 # and each METHOD, through `dcoco serve` + the load generator (HTTP, streaming chat) with a fixed
 # draft block and with load-aware drafting, and through the offline engine; then one table and one
 # plot of all of them (OUT/sweep.md, OUT/sweep.png).

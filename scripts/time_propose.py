@@ -16,8 +16,8 @@ import time
 import torch
 
 from dcoco import SamplingParams
-from dcoco.drafters import SpeculativeConfig, load_drafter, split_label, variant_options
 from dcoco.drafters.base import DraftInput
+from dcoco.speculative import SpeculativeConfig, load_drafter, split_label, variant_options
 from dcoco.target import Target
 
 
@@ -59,7 +59,8 @@ def main() -> None:
         if split_label(method)[0] == "dcoco" and "dflash" in draft_ms:
             extra = draft_ms[method] - draft_ms["dflash"]
             print(
-                f"{method}: corrector {extra:.1f} ms over dflash's pass, {extra / (draft_ms[method] + verify):.1%} of a step"
+                f"{method}: corrector {extra:.1f} ms over dflash's pass, "
+                f"{extra / (draft_ms[method] + verify):.1%} of a step"
             )
 
 

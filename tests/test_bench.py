@@ -386,7 +386,8 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
     """Ablation rows: DCOCO, its backbone alone and another shortlist size, all lossless (float32),
     with the corrector's share of the wall time reported for the corrected rows."""
     from dcoco.drafters.dcoco import DCOCOConfig, DCOCOModel
-    from dcoco.drafters.dflash import DFlashConfig, save_dflash
+    from dcoco.drafters.dflash import DFlashConfig
+    from dcoco.families import get_family
     from dcoco.target import Target
 
     target = Target.from_pretrained(tiny_chat_dir, dtype="float32")
@@ -397,7 +398,7 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
     )
     torch.nn.init.normal_(model.corrector.out.weight, std=5.0)
     ck = tmp_path / "ck"
-    save_dflash(ck, model, method="dcoco", dtype=torch.float32)
+    get_family("dcoco").save(ck, model, dtype=torch.float32)
     out = tmp_path / "bench"
     args = bench_args(
         tiny_chat_dir,

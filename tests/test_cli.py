@@ -99,3 +99,29 @@ def test_regenerate_bad_shard_is_one_line_error(capsys, tmp_path, spec):
     lines = [l for l in err.strip().splitlines() if l]
     assert code == 2 and len(lines) == 1 and "--shard" in lines[0], err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["/nonexistent/ckpt", "--data", "/nonexistent/data"], "not found"),
+        (["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "/nonexistent/data"], "manifest"),
+        (
+            ["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "x", "--temperatures", "0,a"],
+            "temperatures",
+        ),
+        (["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "x", "--temperatures", "0.5"], "T=0 and T=1"),
+    ],
+)
+def test_eval_bad_input_gives_one_line_error(capsys, args, needle):
+    code, out, err = run_cli(capsys, "eval", *args, "--model", "/nonexistent/model")
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for opt in ("--data", "--split", "--temperatures", "--num-samples", "--out", "--dtype"):
+        assert opt in out

@@ -13,9 +13,10 @@ from conftest import engine_lossless_pvalue, random_prompts, tiny_target
 from dcoco import SamplingParams
 from dcoco.drafters.base import DraftInput
 from dcoco.drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel, walk_greedy
-from dcoco.drafters.dflash import BlockDrafter, DFlashConfig, load_dflash, save_dflash
+from dcoco.drafters.dflash import BlockDrafter, DFlashConfig
 from dcoco.engine import SpeculativeEngine
-from dcoco.train.trainer import DCOCOLoss
+from dcoco.families import get_family, load_trained
+from dcoco.train.losses import DCOCOLoss
 
 LAYERS = 6
 
@@ -94,7 +95,7 @@ def test_walk_matches_brute_force():
 def test_excluded_pairs_contribute_no_loss():
     target = tiny()
     model = dcoco_model(target, randomize=True)
-    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0, 1.0)
+    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0)
     ids = torch.tensor([[[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]]])  # (1, P=4, K=3)
     labels = torch.tensor([[6, 10, 99, 14]])  # position 2's label is not shortlisted
     scores = torch.randn(1, 3, 3, 3, requires_grad=True)
@@ -135,8 +136,8 @@ def test_sampling_is_lossless(walk, anchor_pair):
 def test_checkpoint_round_trip(tmp_path):
     target = tiny()
     model = dcoco_model(target, randomize=True)
-    save_dflash(tmp_path / "ck", model, method="dcoco", dtype=torch.float32)
-    loaded, raw = load_dflash(tmp_path / "ck")
+    get_family("dcoco").save(tmp_path / "ck", model, dtype=torch.float32)
+    loaded, raw = load_trained(tmp_path / "ck")[1:]
     assert isinstance(loaded, DCOCOModel) and raw["dcoco_config"]["top_k"] == 4 and raw["dcoco_method"] == "dcoco"
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
@@ -145,12 +146,12 @@ def test_checkpoint_round_trip(tmp_path):
 def test_inference_variants(tmp_path):
     """Ablation options: shortlist size, correction off (= DFlash choices of the same backbone),
     and the variant labels the bench accepts."""
-    from dcoco.drafters import SpeculativeConfig, load_drafter, variant_options
     from dcoco.errors import ConfigError
+    from dcoco.speculative import SpeculativeConfig, load_drafter, variant_options
 
     target = tiny()
     model = dcoco_model(target, randomize=True)
-    save_dflash(tmp_path / "ck", model, method="dcoco", dtype=torch.float32)
+    get_family("dcoco").save(tmp_path / "ck", model, dtype=torch.float32)
     k2 = load_drafter(SpeculativeConfig(method="dcoco", model=str(tmp_path / "ck"), dcoco_top_k=2), target)
     assert k2.top_k == 2 and k2.correct
     hid, logits = torch.randn(3, 5, target.hidden_size), torch.randn(3, 5, target.vocab_size)
@@ -174,7 +175,7 @@ def test_bench_accepts_variant_labels(tmp_path):
     from dcoco.errors import UnknownMethodError
 
     ck = tmp_path / "ck"
-    save_dflash(ck, dcoco_model(tiny()), method="dcoco", dtype=torch.float32)
+    get_family("dcoco").save(ck, dcoco_model(tiny()), dtype=torch.float32)
     cfg = make_config(
         {"methods": "vanilla,dcoco,dcoco/k4,dcoco/nocorrect,dcoco/noemb", "drafters": f"dcoco={ck},dcoco/noemb={ck}"}
     )
@@ -224,8 +225,8 @@ def test_anchor_pair_starts_as_dflash_and_corrects_the_first_slot():
 def test_anchor_pair_trains_with_the_anchor_as_position_zero():
     target = tiny()
     model = dcoco_model(target, randomize=True, anchor_pair=True, top_k=target.vocab_size).train()  # every label listed
-    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0, 1.0)
-    from dcoco.train.trainer import make_batch
+    loss = DCOCOLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0)
+    from dcoco.train.batch import make_batch
 
     ids = torch.randint(0, target.vocab_size, (30,)).tolist()
     b = make_batch([{"input_ids": ids, "prompt_len": 4}], [torch.randn(30, 2 * target.hidden_size)], [[5, 12, 20]], 6)
@@ -260,8 +261,8 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
     predecessor shortlisted, not the target token, and its complement is the T=1 acceptance."""
     from test_dspark import _features
 
-    from dcoco.train.dspark import TargetHead
-    from dcoco.train.trainer import make_batch
+    from dcoco.train.batch import make_batch
+    from dcoco.train.losses import TargetHead
 
     target = tiny()
     model = dcoco_model(
@@ -274,8 +275,8 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
     cols = torch.cat([torch.arange((t - 1) * H, t * H) for t in taps])
     split = (len(taps) - 1) * H
     emb, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
-    loss = DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5, head=TargetHead(target), split=split)
-    plain = DCOCOLoss(model, emb, head, 7.0, 1.0)
+    loss = DCOCOLoss(model, emb, head, 7.0, split, TargetHead(target), l1_weight=0.5)
+    plain = DCOCOLoss(model, emb, head, 7.0)
     ids = [(7 * i + 3) % target.vocab_size for i in range(24)]
     feats, tlogits = _features(target, ids)
     anchors = [4, 9, 15]
@@ -314,7 +315,7 @@ def test_distribution_term_matches_hand_computation(anchor_pair, top_k, vocab_wa
             model.corrector.out_sampled.weight.grad is None or model.corrector.out_sampled.weight.grad.abs().sum() == 0
         )
     with pytest.raises(ValueError, match="target head"):
-        DCOCOLoss(model, emb, head, 7.0, 1.0, l1_weight=0.5)
+        DCOCOLoss(model, emb, head, 7.0, l1_weight=0.5)
 
 
 @pytest.mark.parametrize("anchor_pair,draft_vocab", [(False, False), (True, False), (True, True)])
@@ -354,3 +355,39 @@ def test_vocab_walk_starts_as_dflash_sampling(anchor_pair, draft_vocab):
     )
     base = BlockDrafter(model, target).propose(_draft_input(target, params=[SamplingParams(temperature=1.0)] * 3))
     assert not torch.allclose(out.probs, base.probs)  # the corrector changed q somewhere
+
+
+@pytest.mark.parametrize("anchor_pair", [False, True])
+def test_t1_acceptance_of_a_zero_corrector_is_dflash(anchor_pair):
+    """`dcoco eval` at T=1: with the corrector at zero the vocabulary walk samples exactly DFlash's
+    q, so every slot's expected acceptance is DFlash's; a corrector that changes the scores changes
+    it; and the one-hot walk's slot is accepted with p_target of the token it picks."""
+    from test_dspark import _features
+
+    from dcoco.train.batch import make_batch
+    from dcoco.train.losses import DrafterLoss, TargetHead
+
+    target = tiny()
+    H = target.hidden_size
+    emb, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    ids = [(7 * i + 3) % target.vocab_size for i in range(24)]
+    feats, tlogits = _features(target, ids)
+
+    def alpha(model, cls=DCOCOLoss):
+        taps = list(model.cfg.taps) + [LAYERS]
+        cols = torch.cat([torch.arange((t - 1) * H, t * H) for t in taps])
+        loss = cls(model, emb, head, 7.0, (len(taps) - 1) * H, TargetHead(target))
+        b = make_batch([{"input_ids": ids, "prompt_len": 4}], [feats[:, cols]], [[4, 9, 15]], 6)
+        with torch.no_grad():
+            a, valid = loss.slot_acceptance(b, loss(b)[1])
+        assert valid.all() and ((a >= 0) & (a <= 1 + 1e-6)).all()
+        return a
+
+    zero = dcoco_model(target, anchor_pair=anchor_pair, vocab_walk=True, sampled_walk=True)
+    assert torch.allclose(alpha(zero), alpha(zero, DrafterLoss), atol=1e-6)
+    trained = dcoco_model(target, randomize=True, anchor_pair=anchor_pair, top_k=32, vocab_walk=True, sampled_walk=True)
+    assert not torch.allclose(alpha(trained), alpha(trained, DrafterLoss), atol=1e-4)
+    onehot = dcoco_model(target, randomize=True, anchor_pair=anchor_pair)
+    a = alpha(onehot)
+    p = torch.softmax(tlogits[4], -1)  # slot 1 of the first block (anchor 4) predicts token 5
+    assert p.min() <= a[0, 0, 0] <= p.max()

@@ -14,14 +14,16 @@ from dcoco.drafters.dflash import (
     DFlashConfig,
     DFlashModel,
     default_target_layer_ids,
-    load_dflash,
     save_dflash,
     training_mask,
 )
 from dcoco.engine import SpeculativeEngine
+from dcoco.families import load_trained
+from dcoco.train.acceptance import decode_acceptance
+from dcoco.train.batch import make_batch, position_weights, sample_anchors
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
-from dcoco.train.trainer import Trainer, decode_acceptance, make_batch, position_weights, sample_anchors
+from dcoco.train.trainer import Trainer
 
 LAYERS = 6
 
@@ -57,7 +59,7 @@ def test_no_label_leaks_into_its_block():
     """Block outputs depend only on context before the anchor and the anchor token itself."""
     target = tiny()
     model = tiny_dflash(target)
-    from dcoco.train.trainer import DrafterLoss
+    from dcoco.train.losses import DrafterLoss
 
     loss = DrafterLoss(model, target.model.get_input_embeddings(), target.model.get_output_embeddings(), 7.0)
     T, Fd = 20, 2 * target.hidden_size
@@ -65,7 +67,7 @@ def test_no_label_leaks_into_its_block():
     feats = torch.randn(1, T, Fd)
     anchors = torch.tensor([[5, 12]])
     labels = torch.full((1, 2, 5), -100)
-    from dcoco.train.trainer import Batch
+    from dcoco.train.batch import Batch
 
     with torch.no_grad():
         h = loss.hidden(Batch(ids, feats, anchors, labels))
@@ -109,7 +111,7 @@ def test_checkpoint_round_trip(tmp_path):
     target = tiny()
     model = tiny_dflash(target, seed=3)
     save_dflash(tmp_path / "ck", model, dtype=torch.float32)
-    loaded, raw = load_dflash(tmp_path / "ck")
+    loaded, raw = load_trained(tmp_path / "ck")[1:]
     assert raw["dflash_config"]["target_layer_ids"] == model.cfg.target_layer_ids
     assert raw["dflash_config"]["block_size"] == raw["block_size"] == 6
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
@@ -162,7 +164,7 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(tmp_path):
     ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:40]
     model.set_draft_vocab(ids)
     save_dflash(tmp_path / "ck", model, dtype=torch.float32)
-    loaded, raw = load_dflash(tmp_path / "ck")
+    loaded, raw = load_trained(tmp_path / "ck")[1:]
     assert raw["dcoco_draft_vocab_size"] == 40 and torch.equal(loaded.draft_ids, ids.sort().values)
     d = BlockDrafter(loaded, target)
     feats = [torch.randn(n, 2 * target.hidden_size) for n in (3, 9)]
@@ -273,7 +275,7 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
         target, prompts[:1], odd, num_samples=1, taps=taps[:1], sampling=SamplingParams(max_tokens=7), progress=False
     )
     with pytest.raises(ConfigError, match="taps"):
-        RegeneratedUnion([root, odd]).manifest
+        _ = RegeneratedUnion([root, odd]).manifest
 
 
 def _cfg(root, out, **over):
@@ -357,14 +359,14 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     (so DCOCO without correction is that DFlash) and moves only the corrector."""
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "dflash", **{"optim.steps": 3}), target, RegeneratedData(root)).run(progress=False)
-    base, _ = load_dflash(tmp_path / "dflash" / "drafter", dtype=torch.float32)
+    base, _ = load_trained(tmp_path / "dflash" / "drafter", dtype=torch.float32)[1:]
     over = {
         "optim.steps": 4,
         "drafter.init_from": str(tmp_path / "dflash" / "drafter"),
-        "drafter.train_backbone": False,
-        "drafter.top_k": 3,
-        "drafter.proj_dim": 8,
-        "drafter.corrector_hidden": 16,
+        "drafter.dcoco.train_backbone": False,
+        "drafter.dcoco.top_k": 3,
+        "drafter.dcoco.proj_dim": 8,
+        "drafter.dcoco.hidden": 16,
     }
     tr = Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over), target, RegeneratedData(root))
     tr.run(progress=False)
@@ -374,14 +376,12 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     assert tr.model.corrector.out.weight.abs().sum() > 0
     # an inference default changed on the finished run is re-exported with the same weights
     Trainer(
-        _cfg(root, tmp_path / "dcoco", method="dcoco", **over, **{"drafter.sampled_walk": True}),
+        _cfg(root, tmp_path / "dcoco", method="dcoco", **over, **{"drafter.dcoco.sampled_walk": True}),
         target,
         RegeneratedData(root),
     ).run(progress=False)
-    again, raw = load_dflash(tmp_path / "dcoco" / "drafter")
+    again, raw = load_trained(tmp_path / "dcoco" / "drafter")[1:]
     assert raw["dcoco_config"]["sampled_walk"] and again.dcfg.sampled_walk
-    with pytest.raises(ConfigError, match="train_backbone"):
-        Trainer(_cfg(root, tmp_path / "x", **{"drafter.train_backbone": False}), target, RegeneratedData(root))
 
 
 def test_default_draft_length_round_trips(tmp_path):
@@ -390,7 +390,7 @@ def test_default_draft_length_round_trips(tmp_path):
     assert BlockDrafter(DFlashModel(cfg), target).default_num_tokens == 5
     cfg.num_speculative_tokens = 2
     save_dflash(tmp_path / "ck", DFlashModel(cfg))
-    model, raw = load_dflash(tmp_path / "ck")
+    model, raw = load_trained(tmp_path / "ck")[1:]
     assert raw["dcoco_num_speculative_tokens"] == 2 and BlockDrafter(model, target).default_num_tokens == 2
 
 
@@ -400,7 +400,7 @@ def test_finished_run_started_again_reexports(tiny_data, tmp_path):
     over = {"optim.steps": 2, "drafter.num_speculative_tokens": 3}
     tr = Trainer(_cfg(root, tmp_path / "run", **over), target, RegeneratedData(root))
     tr.run(progress=False)
-    model, raw = load_dflash(tmp_path / "run" / "drafter")
+    model, raw = load_trained(tmp_path / "run" / "drafter")[1:]
     assert tr.step == 2 and raw["dcoco_num_speculative_tokens"] == 3
     assert "dcoco_draft_vocab_size" not in raw and model.draft_ids is None  # vocabulary (96) <= 8192: none
     # a run saved without a draft vocabulary gets one on re-export: the most frequent response tokens
@@ -408,7 +408,7 @@ def test_finished_run_started_again_reexports(tiny_data, tmp_path):
         _cfg(root, tmp_path / "run", **over, **{"drafter.draft_vocab_size": 20}), target, RegeneratedData(root)
     )
     tr.run(progress=False)
-    model, raw = load_dflash(tmp_path / "run" / "drafter")
+    model, raw = load_trained(tmp_path / "run" / "drafter")[1:]
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
     for s in tr.train_samples:
         counts += torch.bincount(torch.tensor(s["input_ids"][s["prompt_len"] :]), minlength=target.vocab_size)
@@ -426,7 +426,7 @@ def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_
         _cfg(root, tmp_path / "o", **{"optim.steps": 1, "data.features": "online"}), target, RegeneratedData(root)
     )
     samples = stored.train_samples[:5]
-    for a, b, s in zip(stored._features(samples), online._features(samples), samples):
+    for a, b, s in zip(stored.features(samples), online.features(samples), samples):
         n = len(s["input_ids"]) - 1  # stored: every token but the last; online: every token
         assert a.shape == (n, b.shape[1]) and b.shape[0] == n + 1
         assert torch.allclose(a.float(), b[:n].float(), rtol=1e-2, atol=1e-2), (a - b[:n]).abs().max()  # stored in bf16

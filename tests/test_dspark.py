@@ -11,15 +11,17 @@ import torch.nn.functional as F
 from conftest import engine_lossless_pvalue, random_prompts, tiny_target
 
 from dcoco import ConfigError, SamplingParams
-from dcoco.drafters import SpeculativeConfig, load_drafter
 from dcoco.drafters.base import DraftInput
 from dcoco.drafters.dflash import BlockDrafter, DFlashConfig
-from dcoco.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, load_dspark, save_dspark
+from dcoco.drafters.dspark import DSparkConfig, DSparkDrafter, DSparkModel, save_dspark
 from dcoco.engine import SpeculativeEngine
+from dcoco.families import load_trained
+from dcoco.speculative import SpeculativeConfig, load_drafter
+from dcoco.train.batch import Batch, loss_batch
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
-from dcoco.train.dspark import DSparkLoss, TargetHead
-from dcoco.train.trainer import Batch, Trainer, loss_batch
+from dcoco.train.losses import DSparkLoss, TargetHead
+from dcoco.train.trainer import Trainer
 
 LAYERS = 6
 
@@ -95,7 +97,7 @@ def test_confidence_truncation_policy():
         conf = []
         real_step = model.step_logits
 
-        def spy(base, hidden, prev):
+        def spy(base, hidden, prev, real_step=real_step, conf=conf):
             z, c = real_step(base, hidden, prev)
             conf.append(torch.sigmoid(c))
             return z, c
@@ -245,7 +247,7 @@ def test_checkpoint_round_trip(tmp_path):
     target = tiny()
     model = dspark_model(target, confidence_threshold=0.25)
     save_dspark(tmp_path / "ck", model, dtype=torch.float32)
-    loaded, raw = load_dspark(tmp_path / "ck")
+    loaded, raw = load_trained(tmp_path / "ck")[1:]
     assert raw["dspark_config"]["markov_rank"] == 8 and raw["dspark_config"]["anchor_slot"] is True
     assert raw["dcoco_method"] == "dspark" and raw["dflash_config"]["target_layer_ids"] == model.cfg.target_layer_ids
     assert raw["architectures"] == ["DSparkDraftModel"]
@@ -297,7 +299,7 @@ def _cfg(root, out, **over):
         "drafter.num_layers": 1,
         "drafter.block_size": 6,
         "drafter.num_features": 2,
-        "drafter.markov_rank": 8,
+        "drafter.dspark.markov_rank": 8,
         "data.eval_samples": 6,
         "data.eval_permille": 200,
         "run.eval_every": 15,
@@ -357,13 +359,13 @@ def test_dcoco_distribution_term_trains_from_the_last_layer(tiny_data, tmp_path)
     over = {
         "method": "dcoco",
         "optim.steps": 4,
-        "optim.corrector_l1_weight": 1.0,
-        "drafter.top_k": 3,
-        "drafter.proj_dim": 8,
-        "drafter.corrector_hidden": 16,
-        "drafter.anchor_pair": True,
-        "drafter.sampled_walk": True,
-        "drafter.vocab_walk": True,
+        "drafter.dcoco.corrector_l1_weight": 1.0,
+        "drafter.dcoco.top_k": 3,
+        "drafter.dcoco.proj_dim": 8,
+        "drafter.dcoco.hidden": 16,
+        "drafter.dcoco.anchor_pair": True,
+        "drafter.dcoco.sampled_walk": True,
+        "drafter.dcoco.vocab_walk": True,
     }
     tr = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
     tr.run(progress=False)
@@ -372,8 +374,8 @@ def test_dcoco_distribution_term_trains_from_the_last_layer(tiny_data, tmp_path)
     warm = {
         **over,
         "drafter.init_from": str(tmp_path / "a" / "drafter"),
-        "drafter.vocab_walk": False,
-        "optim.corrector_l1_weight": 0.0,
+        "drafter.dcoco.vocab_walk": False,
+        "drafter.dcoco.corrector_l1_weight": 0.0,
     }
     tr2 = Trainer(_cfg(root, tmp_path / "b", **warm), target, RegeneratedData(root))
     assert torch.allclose(

@@ -11,7 +11,6 @@ import torch
 from conftest import engine_lossless_pvalue, random_prompts, tiny_target
 
 from dcoco import SamplingParams
-from dcoco.drafters import SpeculativeConfig, load_drafter
 from dcoco.drafters.base import DraftInput
 from dcoco.drafters.checkpoint import load_checkpoint, save_checkpoint
 from dcoco.drafters.eagle3 import (
@@ -19,15 +18,17 @@ from dcoco.drafters.eagle3 import (
     Eagle3Drafter,
     Eagle3Model,
     default_eagle_layer_ids,
-    load_eagle3,
     save_eagle3,
 )
 from dcoco.engine import SpeculativeEngine
+from dcoco.families import load_trained
+from dcoco.speculative import SpeculativeConfig, load_drafter
+from dcoco.train.batch import top_tokens
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
-from dcoco.train.dspark import TargetHead
-from dcoco.train.eagle3 import Eagle3Loss, make_eagle3_batch, ttt_weights
-from dcoco.train.trainer import Trainer, top_tokens
+from dcoco.train.losses import TargetHead
+from dcoco.train.losses.eagle3 import Eagle3Loss, make_eagle3_batch, ttt_weights
+from dcoco.train.trainer import Trainer
 
 LAYERS = 6
 IDS = [0, 2, 4]  # 0-based decoder-layer ids -> taps 1, 3, 5
@@ -253,7 +254,7 @@ def test_checkpoint_round_trip_and_vllm_layout(tmp_path):
     target = tiny()
     model = eagle_model(target)
     save_eagle3(tmp_path / "ck", model, dtype=torch.float32)
-    loaded, raw = load_eagle3(tmp_path / "ck")
+    loaded, raw = load_trained(tmp_path / "ck")[1:]
     for (k, v), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
     _, state = load_checkpoint(tmp_path / "ck")
@@ -274,7 +275,7 @@ def test_checkpoint_round_trip_and_vllm_layout(tmp_path):
         if k != "t2d"
     }
     save_checkpoint(tmp_path / "vllm", cfg, st, torch.float32)
-    again, _ = load_eagle3(tmp_path / "vllm")
+    again, _ = load_trained(tmp_path / "vllm")[1:]
     assert again.cfg.layer_ids == IDS and torch.equal(again.t2d, model.t2d)
     assert torch.equal(again.midlayer.mlp.up_proj.weight, model.midlayer.mlp.up_proj.weight)
     assert isinstance(
@@ -317,7 +318,7 @@ def test_training_loss_falls_and_exports(tiny_data, tmp_path):
         "optim.warmup_steps": 5,
         "optim.autocast_bf16": False,
         "drafter.draft_vocab_size": 48,
-        "drafter.ttt_slots": 8,
+        "drafter.eagle3.ttt_slots": 8,
         "data.eval_samples": 6,
         "data.eval_permille": 200,
         "run.eval_every": 15,
@@ -362,7 +363,7 @@ def test_online_features_train_like_stored(tiny_data, tmp_path):
             "optim.steps": 1,
             "optim.autocast_bf16": False,
             "drafter.draft_vocab_size": 48,
-            "drafter.ttt_slots": 8,
+            "drafter.eagle3.ttt_slots": 8,
             "data.features": mode,
         }
         cfg = load_config(None, [f"{k}={v}" for k, v in over.items()])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
 
-from dcoco.drafters import NgramDrafter
+from dcoco.drafters.ngram import NgramDrafter
 from dcoco.engine import SpeculativeEngine
 from dcoco.kv import KVBatch
 from dcoco.sampling import SamplingParams
@@ -160,7 +160,7 @@ def test_seeded_sampling_is_reproducible():
 def test_warns_where_bf16_verification_is_slow(monkeypatch, recwarn, bf16_units):
     """A bf16 target on a CPU without bf16 matrix instructions gets a warning when a drafter loads
     (verifying n tokens costs ~n decode steps there); float32, or a CPU with them, gets none."""
-    from dcoco.drafters import SpeculativeConfig, load_drafter
+    from dcoco.speculative import SpeculativeConfig, load_drafter
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_units)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

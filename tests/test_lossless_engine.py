@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import ModelDrafter, engine_lossless_pvalue, tiny_model
 
-from dcoco.drafters import NgramDrafter
+from dcoco.drafters.ngram import NgramDrafter
 from dcoco.sampling import SamplingParams
 from dcoco.target import Target
 

@@ -15,7 +15,6 @@ from conftest import tiny_target
 
 from dcoco import ConfigError
 from dcoco.cli import main
-from dcoco.drafters import SpeculativeConfig, load_drafter
 from dcoco.engine import SpeculativeEngine
 from dcoco.rl.config import load_rl_config
 from dcoco.rl.grpo import group_advantages, grpo_loss
@@ -23,6 +22,7 @@ from dcoco.rl.loop import RLRun
 from dcoco.rl.report import compare
 from dcoco.rl.task import ArithmeticTask, Problem, arithmetic_reward, last_integer, strict_answer
 from dcoco.sampling import SamplingParams
+from dcoco.speculative import SpeculativeConfig, load_drafter
 
 LAYERS = 6
 FAMILIES = ["dflash", "dcoco", "dspark", "eagle3"]
@@ -71,8 +71,8 @@ def cfg_for(out, method="dflash", **over):
         "draft.arch.num_layers": 1,
         "draft.arch.block_size": 6,
         "draft.arch.num_features": 2,
-        "draft.arch.ttt_steps": 3,
-        "draft.arch.markov_rank": 8,
+        "draft.arch.eagle3.ttt_steps": 3,
+        "draft.arch.dspark.markov_rank": 8,
         "run.val_every": 2,
         "run.checkpoint_every": 2,
         "run.save_policy": False,
@@ -267,7 +267,7 @@ def test_rollouts_with_the_live_draft_are_lossless(tmp_path, method):
 def test_engine_logprobs_are_the_sampling_distribution():
     """The engine's per-token log-probs equal log p of the request's own transform of the target logits
     (temperature, top-k, top-p), for the prefill token and the verified ones, with a draft or without."""
-    from dcoco.drafters import NgramDrafter
+    from dcoco.drafters.ngram import NgramDrafter
     from dcoco.sampling import probabilities
 
     target = tiny()

@@ -20,8 +20,8 @@ import torch
 from conftest import OracleDrafter, random_prompts, tiny_model, tiny_target
 
 from dcoco import LLM, SamplingParams
-from dcoco.drafters import NgramDrafter
 from dcoco.drafters.base import DraftInput, DraftOutput
+from dcoco.drafters.ngram import NgramDrafter
 from dcoco.engine import SpeculativeEngine
 from dcoco.serve import LoadAwarePolicy
 from dcoco.serve.app import create_app

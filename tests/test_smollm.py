@@ -98,11 +98,14 @@ def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
     decode (float32) the trainer's teacher-forced prediction at that anchor is the shipped drafter's
     proposal (DSpark's and EAGLE-3's up to the first miss, where their walks and teacher forcing part), and walking the
     trainer's predictions over the answer (`eval_tau_decode`) takes the engine's verification passes."""
-    from dcoco.drafters import SpeculativeConfig, load_drafter, shipped_checkpoint
     from dcoco.engine import SpeculativeEngine
+    from dcoco.families import shipped_checkpoint
+    from dcoco.speculative import SpeculativeConfig, load_drafter
+    from dcoco.train.acceptance import decode_acceptance
     from dcoco.train.config import load_config
     from dcoco.train.data import Prompt, RegeneratedData, regenerate
-    from dcoco.train.trainer import Trainer, decode_acceptance
+    from dcoco.train.evaluate import evaluate_checkpoint
+    from dcoco.train.trainer import Trainer
 
     drafter = load_drafter(SpeculativeConfig(method=method), smollm)
     blocks = []
@@ -142,7 +145,7 @@ def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
     [smp] = tr.train_samples
     assert smp["input_ids"] == prompt + out.token_ids
     anchors = list(range(smp["prompt_len"], len(smp["input_ids"]) - 1))
-    b = tr.loss.batch_at([smp], tr._features([smp]), [anchors])
+    b = tr.loss.batch_at([smp], tr.features([smp]), [anchors])
     with torch.no_grad():
         pred = tr.loss.predictions(tr.loss(b)[1])[""][0]
     k = drafter.default_num_tokens
@@ -156,4 +159,14 @@ def test_trainer_drafts_are_the_drafts_decoding_makes(smollm, method, tmp_path):
         assert hits[0] == hits[1], (anchor, mine, drafted, labels)
         if method not in ("dspark", "eagle3"):  # a chain teacher-forced on the tokens parts from inference after a miss
             assert mine == drafted, (anchor, mine, drafted)
-    assert decode_acceptance(pred, b.labels[0], k)[0] == stats.verify_passes
+    passes, tokens = decode_acceptance(pred, b.labels[0], k)
+    assert passes == stats.verify_passes
+    # `dcoco eval` walks the same drafts: its τ as decoded is the engine's on this answer; at T=1 the
+    # expected acceptance of every slot is a probability, and a slot is reached no more often than
+    # the one before it
+    res = evaluate_checkpoint(str(shipped_checkpoint(method)), [str(tmp_path / "data")], split="all", progress=False)
+    assert res["method"] == method and res["samples"] == 1
+    assert res["t0"]["eval_tau_decode"] == pytest.approx(tokens / passes, abs=1e-4)
+    t1 = res["t1"]["eval_per_position_t1"]
+    assert 1.0 <= res["t1"]["eval_tau_t1"] <= 1 + len(t1)
+    assert all(0.0 <= b <= a + 1e-6 <= 1.0 + 1e-6 for a, b in zip([1.0] + t1, t1))

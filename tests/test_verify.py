@@ -112,7 +112,7 @@ def simulate(
         res = verify(
             tl, drafts, torch.full((n,), gamma), [sp] * n, [gens[i] for i in rows.tolist()], None if one_hot else qs
         )
-        for r, (i, em) in enumerate(zip(rows.tolist(), res.emitted(drafts))):
+        for i, em in zip(rows.tolist(), res.emitted(drafts)):
             em = em[: depth - int(lens[i])]
             seqs[i, lens[i] : lens[i] + len(em)] = torch.tensor(em)
             lens[i] += len(em)

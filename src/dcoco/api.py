@@ -12,11 +12,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .drafters import SpeculativeConfig, load_drafter
 from .engine import GenerationOutput, SpeculativeEngine
 from .errors import InvalidPromptError
 from .metrics import SpecStats
 from .sampling import SamplingParams
+from .speculative import SpeculativeConfig, load_drafter
 from .target import Target
 
 

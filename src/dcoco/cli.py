@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
-    from .drafters import METHODS
+    from .speculative import METHODS
 
     p.add_argument("--method", default=default_method, help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped one)")
@@ -70,13 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmark methods and peers (tokens/s, speedup, acceptance) on MT-Bench, HumanEval, ShareGPT or a JSONL file",
+        help="benchmark methods and peers (tokens/s, speedup, acceptance) on MT-Bench, HumanEval, ShareGPT "
+        "or a JSONL file",
         description="Measure dcoco's methods and peers in one process on the same prompts; writes results.json, "
         "results.md and PNG plots to --out. Lists are comma-separated. Re-running with the same --out skips "
         "the rows already measured. Explicit flags override --preset values.",
     )
     b.add_argument(
-        "--preset", default=None, metavar="NAME", help="a named configuration: readme (the README headline table)"
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="a named configuration: readme (every engine method and the HF peers)",
     )
     b.add_argument(
         "--methods",
@@ -89,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--datasets",
         default=None,
         metavar="LIST",
-        help="mtbench (both turns), mtbench_turn1, humaneval, sharegpt and/or .jsonl files (default: mtbench, humaneval, sharegpt)",
+        help="mtbench (both turns), mtbench_turn1, humaneval, sharegpt and/or .jsonl files "
+        "(default: mtbench, humaneval, sharegpt)",
     )
     b.add_argument("--temperatures", default=None, metavar="LIST", help="default 0,1")
     b.add_argument("--seeds", default=None, metavar="LIST", help="seeds for T > 0, one row each (default 42,43,44)")
@@ -122,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafters",
         default=None,
         metavar="LIST",
-        help="drafter checkpoints as METHOD=DIR,... (default: the shipped ones; a trained method without one is unavailable)",
+        help="drafter checkpoints as METHOD=DIR,... "
+        "(default: the shipped ones; a trained method without one is unavailable)",
     )
     b.add_argument(
         "--out", default=None, metavar="DIR", help="output directory (default bench-results/run, or the preset's)"
@@ -131,6 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     dt = sub.add_parser("data", help="training data: regenerate answers (and target features) with the target")
     dsub = dt.add_subparsers(dest="data_command", required=True)
+    pr = dsub.add_parser(
+        "prompts",
+        help="write prompts (first user turns) as ShareGPT-format JSONL, for regenerate --source or bench --datasets",
+    )
+    pr.add_argument("out", help="the .jsonl file to write")
+    pr.add_argument(
+        "--from",
+        dest="sources",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="the prompts of regenerated data directories (default: the ShareGPT training split)",
+    )
+    pr.add_argument("--heldout", action="store_true", help="only those training holds out (by a hash of their id)")
+    pr.add_argument(
+        "--eval-permille", type=int, default=20, help="the hold-out's share (training's data.eval_permille)"
+    )
+    pr.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="drop prompts already answered in these data directories",
+    )
+    pr.add_argument("--shuffle-seed", type=int, default=None, help="random order from this seed (default: file order)")
+    pr.add_argument("--limit", type=int, default=None, help="at most N prompts")
     rg = dsub.add_parser("regenerate", help="answer prompts with the target; resumable and incremental")
     rg.add_argument("--out", required=True, help="data directory (created; a rerun resumes and extends it)")
     rg.add_argument("--source", default="sharegpt", help="'sharegpt' (the training split) or a ShareGPT-format .jsonl")
@@ -165,9 +197,33 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a drafter from a YAML config (resumes from its run directory)")
     tr.add_argument("--config", required=True, help="configs/NAME.yaml")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. optim.steps=100")
+    ev = sub.add_parser(
+        "eval",
+        help="held-out τ of a drafter checkpoint: as decoded and per slot, at T=0 and T=1",
+        description="Evaluate a drafter checkpoint (any family) on regenerated data it was not trained on: "
+        "τ as greedy decoding realizes it and over random anchors at T=0, and the expected τ of sampled "
+        "verification at T=1 (from the target's stored last layer), each with per-slot acceptance. "
+        "Prints a table; --out also writes eval.json and eval.md.",
+    )
+    ev.add_argument("checkpoint", help="drafter checkpoint directory (config.json + model.safetensors)")
+    ev.add_argument("--data", nargs="+", required=True, metavar="DIR", help="regenerated data directories")
+    ev.add_argument(
+        "--split",
+        default="heldout",
+        choices=["heldout", "all"],
+        help="heldout: the samples training holds out (by a hash of their id); all: every sample (a held-out set)",
+    )
+    ev.add_argument("--temperatures", default="0,1", help="0, 1 or 0,1 (default)")
+    ev.add_argument("--num-samples", type=int, default=48, help="evaluate at most N samples (default 48; 0: all)")
+    ev.add_argument("--max-length", type=int, default=1024, help="tokens per sample, longer ones are cut")
+    ev.add_argument("--out", default=None, help="directory for eval.json and eval.md")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(ev)
+    ev.set_defaults(dtype="float32")
     rl = sub.add_parser(
         "rl",
-        help="GRPO post-training with online draft co-training (resumes from run.out); 'rl compare RUN_DIR ...' tabulates runs",
+        help="GRPO post-training with online draft co-training (resumes from run.out); "
+        "'rl compare RUN_DIR ...' tabulates runs",
         description="dcoco rl --config configs/rl_smollm2.yaml [section.key=value ...] trains; "
         "dcoco rl compare RUN_DIR ... [--out DIR] writes a table and a plot of several runs, with speedups "
         "against the run without a draft. See docs/rl.md.",
@@ -185,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     _add_model_args(sv)
-    _add_spec_args(sv, default_method="ngram")
+    _add_spec_args(sv, default_method=_model_free_method())
     sv.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the model directory's name)"
     )
@@ -215,12 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _default_method() -> str:
     """The best method this build can run on the embedded target."""
-    from .drafters import available_methods
+    from .families import default_method
+    from .speculative import available_methods
 
-    for m in ("dcoco", "dflash", "dspark", "eagle3"):
-        if m in available_methods():
-            return m
-    return "ngram"
+    return default_method(available_methods())
+
+
+def _model_free_method() -> str:
+    """What `dcoco serve` runs by default: the model-free family (no checkpoint, never slower at load)."""
+    from .families import MODEL_FREE
+
+    return MODEL_FREE.name
 
 
 def _read_prompts(args) -> list[str]:
@@ -267,8 +328,8 @@ def _spec_config(args) -> dict:
 
 def cmd_generate(args) -> int:
     from .api import LLM
-    from .drafters import SpeculativeConfig
     from .sampling import SamplingParams
+    from .speculative import SpeculativeConfig
 
     prompts = _read_prompts(args)
     sp = SamplingParams.make(
@@ -365,6 +426,8 @@ def _parse_shard(spec: str) -> tuple[int, int]:
 
 
 def cmd_data(args) -> int:
+    if args.data_command == "prompts":
+        return cmd_data_prompts(args)
     from .drafters.dflash import default_target_layer_ids
     from .sampling import SamplingParams
     from .target import Target
@@ -407,12 +470,53 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_data_prompts(args) -> int:
+    from .train.data import select_prompts, write_prompts
+
+    prompts = select_prompts(
+        args.sources,
+        heldout_permille=args.eval_permille if args.heldout else None,
+        exclude=args.exclude,
+        seed=args.shuffle_seed,
+        limit=args.limit,
+    )
+    n = write_prompts(prompts, args.out)
+    print(f"{n} prompts -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     from .train.config import load_config
     from .train.run import train
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .train.evaluate import eval_markdown, evaluate_checkpoint, write_eval
+
+    try:
+        temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise InvalidPromptError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
+    _setup(args)
+    result = evaluate_checkpoint(
+        args.checkpoint,
+        args.data,
+        split=args.split,
+        temperatures=temps,
+        num_samples=args.num_samples or None,
+        max_length=args.max_length,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    print(eval_markdown(result), end="")
+    if args.out:
+        write_eval(result, Path(args.out))
     return 0
 
 
@@ -448,6 +552,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "data": cmd_data,
     "train": cmd_train,
+    "eval": cmd_eval,
     "rl": cmd_rl,
     "serve": cmd_serve,
 }

@@ -176,7 +176,7 @@ class SpeculativeEngine:
             k = int(self.draft_policy(B, k))
         k = max(0, min(k, room))
         draft = self._draft(reqs, k)
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.target.device)
         tokens = torch.cat([anchors.unsqueeze(1), draft.tokens], dim=1)
         out = self.target.forward(self.kv, tokens, draft.lengths + 1)
         res = verify(
@@ -201,15 +201,13 @@ class SpeculativeEngine:
     def _logprobs(self, logits: torch.Tensor, emitted: list[list[int]], reqs: list[Request]) -> list[list[float]]:
         """log p of the tokens each row emits: token j of a row was chosen at logit position j."""
         width = max(len(e) for e in emitted)
-        tokens = torch.zeros(len(emitted), width, dtype=torch.long)
-        for b, e in enumerate(emitted):
-            tokens[b, : len(e)] = torch.tensor(e, dtype=torch.long)
+        tokens = torch.tensor([e + [0] * (width - len(e)) for e in emitted], dtype=torch.long, device=logits.device)
         lp = token_logprobs(logits[:, :width], tokens, [r.params for r in reqs]).tolist()
         return [row[: len(e)] for row, e in zip(lp, emitted)]
 
     def _draft(self, reqs: list[Request], k: int) -> DraftOutput:
         if self.drafter is None or k == 0:
-            return DraftOutput.empty(len(reqs))
+            return DraftOutput.empty(len(reqs), self.target.device)
         inp = DraftInput(
             request_ids=[r.request_id for r in reqs],
             token_ids=[r.sequence for r in reqs],
@@ -217,11 +215,13 @@ class SpeculativeEngine:
             num_tokens=k,
             params=[r.params for r in reqs],
             generators=[r.generator for r in reqs],
+            device=self.target.device,
         )
         for r in reqs:
             r.new_features = None
         out = self.drafter.propose(inp)
-        out.lengths = out.lengths.clamp(max=k)
+        # a drafter that ignored `inp.device` (e.g. a model-free one of a user's) still verifies
+        out.tokens, out.lengths = out.tokens.to(inp.device), out.lengths.to(inp.device).clamp(max=k)
         if out.tokens.shape[1] > k:
             out.tokens = out.tokens[:, :k]
             out.probs = None if out.probs is None else out.probs[:, :k]

@@ -216,11 +216,9 @@ class Target:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[KVBatch, ForwardOutput]:
         """A new batch holding `prompts` (right-padded); returns last-token logits (B, V) and the
         features of every prompt token (B, Lmax, F) (rows past their length are padding)."""
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        L = int(lens.max())
-        tokens = torch.zeros(len(prompts), L, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        L = max(len(p) for p in prompts)
+        tokens = torch.tensor([list(p) + [0] * (L - len(p)) for p in prompts], dtype=torch.long, device=self.device)
         kv = self.new_batch()
         out = self.forward(kv, tokens, lens, logits_at=(lens - 1).unsqueeze(1))
         kv.commit(lens)

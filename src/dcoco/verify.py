@@ -138,5 +138,5 @@ def sample_tokens(
     """Vanilla decoding of one token per row from `logits` (B, V): argmax or a sample from p."""
     B = logits.shape[0]
     empty = torch.zeros(B, 0, dtype=torch.long, device=logits.device)
-    res = verify(logits.unsqueeze(1), empty, torch.zeros(B, dtype=torch.long), params, generators)
+    res = verify(logits.unsqueeze(1), empty, torch.zeros(B, dtype=torch.long, device=logits.device), params, generators)
     return res.next_token

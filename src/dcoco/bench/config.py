@@ -113,7 +113,7 @@ def _int(value: Any, what: str, lo: Optional[int], hi: Optional[int]) -> int:
 
 def engine_methods() -> list[str]:
     """dcoco methods runnable in this build, asked of the registry at run time."""
-    from ..drafters import available_methods
+    from ..speculative import available_methods
 
     return list(available_methods())
 
@@ -122,7 +122,8 @@ def parse_drafters(value: Any) -> dict[str, str]:
     """``"dflash=DIR,dcoco=DIR"`` -> {method: absolute DIR}: drafter checkpoints to use instead of the
     shipped ones (and for trained methods that ship none). A key may be a variant label
     (``dcoco/noemb=DIR``): a second checkpoint of the same family, side by side."""
-    from ..drafters import METHODS, split_label
+    from ..families import trained_families
+    from ..speculative import split_label
 
     if value is None:
         return {}
@@ -137,10 +138,9 @@ def parse_drafters(value: Any) -> dict[str, str]:
             items.append((method.strip(), path.strip()))
     out = {}
     for method, path in items:
-        if split_label(method)[0] not in METHODS or split_label(method)[0] in ("vanilla", "ngram"):
+        if split_label(method)[0] not in trained_families():
             raise UnknownMethodError(
-                f"--drafters: {method!r} is not a trained drafter method; choose from "
-                f"{', '.join(m for m in METHODS if m not in ('vanilla', 'ngram'))}"
+                f"--drafters: {method!r} is not a trained drafter method; choose from {', '.join(trained_families())}"
             )
         p = Path(path).expanduser().resolve()
         if not (p / "config.json").is_file():
@@ -152,7 +152,7 @@ def parse_drafters(value: Any) -> dict[str, str]:
 def resolve_methods(names: Sequence[str], with_checkpoint: Sequence[str] = ()) -> list[str]:
     """Expand ``all`` / ``@engine`` and check every name; engine methods come first. Trained methods
     given a checkpoint with ``--drafters`` count as available."""
-    from ..drafters import METHODS, split_label, variant_options
+    from ..speculative import METHODS, split_label, variant_options
 
     avail = engine_methods()
     avail += [m for m in METHODS if m in with_checkpoint and m not in avail]
@@ -169,8 +169,8 @@ def resolve_methods(names: Sequence[str], with_checkpoint: Sequence[str] = ()) -
                 out.append(n)
             elif base in avail:
                 raise UnknownMethodError(
-                    f"method {n!r}: unknown variant {tag!r} (dcoco knows kN, nocorrect, onehot, "
-                    f"sampled, vocab; any other label needs --drafters {n}=DIR)"
+                    f"method {n!r}: unknown variant {tag!r} of {base} "
+                    f"(a label it does not know needs --drafters {n}=DIR)"
                 )
             else:
                 raise UnknownMethodError(f"method {n!r}: {base!r} is not available; available: {', '.join(avail)}")

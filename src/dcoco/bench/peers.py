@@ -151,7 +151,8 @@ class LlamaCppPeer:
             )
         except Exception as e:
             raise Unavailable(
-                f"llamacpp: skipped - llama.cpp could not load {gguf.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                f"llamacpp: skipped - llama.cpp could not load {gguf.name}: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from None
         self.eos = set(target.eos_token_ids)
         try:

@@ -6,7 +6,7 @@ minutes for each trained drafter that is available (so 20-40 minutes with up to 
 otherwise idle machine: timings taken while other jobs share the cores are not meaningful. Use
 ``--num-prompts`` for more prompts when there is time.
 
-- methods: ``vanilla``, ``ngram``, every trained drafter in `dcoco.drafters.available_methods()` at run
+- methods: ``vanilla``, ``ngram``, every trained drafter in `dcoco.speculative.available_methods()` at run
   time, and the peers ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted`` (skipped with a note: no
   compatible assistant exists for SmolLM2-135M) and ``llamacpp`` (skipped with a note unless
   llama-cpp-python is installed);

@@ -28,6 +28,15 @@ from .config import PEERS
 PLOTS = ("speedup_vs_concurrency.png", "per_position_acceptance.png", "acceptance_length.png")
 
 
+def select_baseline(method: str) -> Optional[str]:
+    """The method whose token-selection time a method's is reported net of (its family's `select_baseline`)."""
+    from ..families import FAMILIES
+    from ..speculative import split_label
+
+    fam = FAMILIES.get(split_label(method)[0])
+    return fam.select_baseline if fam is not None else None
+
+
 def _key(r: dict) -> tuple:
     return (r["method"], r["dataset"], float(r["temperature"]), int(r["concurrency"]))
 
@@ -119,9 +128,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ),
         f"- Target: {settings.get('model', '?')}; dtype {settings.get('dtype', '?')}; "
         f"max new tokens {settings.get('max_new_tokens', '?')}; draft tokens per pass "
-        f"{'each drafter default' if k is None else k}; top-k {settings.get('top_k', 0)}, top-p {settings.get('top_p', 1.0)}",
+        f"{'each drafter default' if k is None else k}; "
+        f"top-k {settings.get('top_k', 0)}, top-p {settings.get('top_p', 1.0)}",
         f"- git commit: {', '.join(sorted({r['git_commit'] for r in rows})) or meta.get('git_commit', '?')}; "
-        f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, python {machine.get('python', '?')}",
+        f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
+        f"python {machine.get('python', '?')}",
     ]
     drafters = {m: fp for m, fp in (meta.get("drafters") or {}).items() if any(r["method"] == m for r in rows)}
     if drafters:
@@ -134,7 +145,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         L.append(
             "- Prompts per dataset: "
             + ", ".join(f"{ds} {n}" for ds, n in counts.items())
-            + f" (the first {settings.get('num_prompts') or 'all'} in file order; MT-Bench counts questions, both turns)"
+            + f" (the first {settings.get('num_prompts') or 'all'} in file order; "
+            + "MT-Bench counts questions, both turns)"
         )
     seeds_t = sorted({r["seed"] for r in rows if r["seed"] is not None})
     if seeds_t:
@@ -182,7 +194,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 L += [f"### T = {t:g}, concurrency {c}", ""] + _table(header, body)
                 if short:
                     L += [
-                        f"† fewer prompts than the concurrency: at most {', '.join(f'{n} ({ds})' for ds, n in short.items())} "
+                        "† fewer prompts than the concurrency: at most "
+                        f"{', '.join(f'{n} ({ds})' for ds, n in short.items())} "
                         "requests were in flight.",
                         "",
                     ]
@@ -268,8 +281,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     if not mine:
                         continue
                     vals = [r["select_share"] for r in mine]
-                    # the same rows of plain DFlash, when measured: what selection costs DFlash itself
-                    base = [(r["select_share"], share.get(row_id(r, "dflash"))) for r in mine]
+                    # the same rows of the family it extends (DCOCO: DFlash), when measured: what
+                    # selection costs there, so the rest is this family's own
+                    ref = select_baseline(m)
+                    base = [(r["select_share"], share.get(row_id(r, ref))) for r in mine] if ref else []
                     net = [a - b for a, b in base if b is not None]
                     body.append(
                         [
@@ -278,7 +293,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                             str(c),
                             f"{100 * mean(vals):.2f}%",
                             f"{100 * max(vals):.2f}%",
-                            f"{100 * mean(net):+.2f}%" if net and m != "dflash" else "–",
+                            f"{100 * mean(net):+.2f}%" if net else "–",
                         ]
                     )
         L += [

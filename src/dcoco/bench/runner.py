@@ -102,7 +102,8 @@ class RowSpec:
 
     @property
     def slug(self) -> str:
-        s = f"{self.method}__{self.dataset}__T{self.temperature:g}__s{'-' if self.seed is None else self.seed}__c{self.concurrency}"
+        seed = "-" if self.seed is None else self.seed
+        s = f"{self.method}__{self.dataset}__T{self.temperature:g}__s{seed}__c{self.concurrency}"
         return re.sub(r"[^A-Za-z0-9_.=-]", "_", s)
 
     def label(self) -> str:
@@ -170,13 +171,14 @@ def drafter_fingerprint(method: str, path: Optional[str]) -> Optional[str]:
     methods and peers."""
     import hashlib
 
-    from .. import drafters
+    from ..families import shipped_checkpoint, trained_families
+    from ..speculative import split_label
 
-    base = drafters.split_label(method)[0]
-    if base in ("vanilla", "ngram") or method in PEERS:
+    base = split_label(method)[0]
+    if base not in trained_families() or method in PEERS:
         return None
     if path is None:
-        found = drafters.shipped_checkpoint(base)
+        found = shipped_checkpoint(base)
         if found is None:
             return "shipped"
         path = str(found)
@@ -324,7 +326,8 @@ class BenchRunner:
             from ..target import Target
 
             self.log(
-                f"dcoco bench: loading {self.cfg.model or 'SmolLM2-135M-Instruct (embedded)'} ({self.cfg.dtype}, {self.cfg.device})"
+                f"dcoco bench: loading {self.cfg.model or 'SmolLM2-135M-Instruct (embedded)'} "
+                f"({self.cfg.dtype}, {self.cfg.device})"
             )
             self.target = Target.from_pretrained(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
         return self.target
@@ -337,7 +340,8 @@ class BenchRunner:
                 self.target.check_fits(len(x), self.cfg.max_new_tokens)
             except PromptTooLongError:
                 self.note(
-                    f"{p.dataset}: skipped prompt {p.id} ({len(x)} tokens + {self.cfg.max_new_tokens} new exceed the context)"
+                    f"{p.dataset}: skipped prompt {p.id} "
+                    f"({len(x)} tokens + {self.cfg.max_new_tokens} new exceed the context)"
                 )
                 continue
             keep.append(p)
@@ -368,8 +372,8 @@ class BenchRunner:
 
     # -- rows ---------------------------------------------------------------------------------------
     def _engine(self, method: str, concurrency: int):
-        from ..drafters import SpeculativeConfig, load_drafter, split_label, variant_options
         from ..engine import SpeculativeEngine
+        from ..speculative import SpeculativeConfig, load_drafter, split_label, variant_options
 
         if method not in self._drafters:
             base = split_label(method)[0]
@@ -542,7 +546,8 @@ class BenchRunner:
         todo = [s for s in specs if s.key not in done]
         if len(specs) > len(todo):
             self.log(
-                f"dcoco bench: {len(specs) - len(todo)} of {len(specs)} rows already in {self.out / 'results.json'}; skipping them"
+                f"dcoco bench: {len(specs) - len(todo)} of {len(specs)} rows already in "
+                f"{self.out / 'results.json'}; skipping them"
             )
 
         from tqdm import tqdm

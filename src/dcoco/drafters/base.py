@@ -29,6 +29,7 @@ class DraftInput:
     num_tokens: int
     params: list[SamplingParams]
     generators: list[torch.Generator]
+    device: Optional[torch.device] = None  # where the output goes: the target's device (None: torch's default)
 
 
 @dataclass
@@ -41,8 +42,10 @@ class DraftOutput:
     probs: Optional[torch.Tensor] = None
 
     @staticmethod
-    def empty(batch: int) -> "DraftOutput":
-        return DraftOutput(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+    def empty(batch: int, device: Optional[torch.device] = None) -> "DraftOutput":
+        return DraftOutput(
+            torch.zeros(batch, 0, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long, device=device)
+        )
 
 
 class Drafter(ABC):
@@ -60,10 +63,10 @@ class Drafter(ABC):
     def propose(self, inp: DraftInput) -> DraftOutput:
         """Propose up to `inp.num_tokens` tokens per request."""
 
-    def release(self, request_id: int) -> None:
+    def release(self, request_id: int) -> None:  # noqa: B027 (optional hook: stateless drafters keep nothing)
         """The request finished or was cancelled: drop any state kept for it."""
 
-    def check_target(self, target) -> None:
+    def check_target(self, target) -> None:  # noqa: B027 (optional hook: model-free drafters fit any target)
         """Raise `DrafterMismatchError` if this drafter was not made for `target`."""
 
 
@@ -82,13 +85,11 @@ def check_feature_drafter(target, vocab_size: int, hidden_size: int, num_target_
         )
 
 
-def pad_rows(rows: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ragged token lists into (B, width) plus their lengths."""
-    out = torch.zeros(len(rows), width, dtype=torch.long)
-    lens = torch.zeros(len(rows), dtype=torch.long)
-    for b, r in enumerate(rows):
-        r = list(r)[:width]
-        if r:
-            out[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        lens[b] = len(r)
-    return out, lens
+def pad_rows(
+    rows: Sequence[Sequence[int]], width: int, device: Optional[torch.device] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged token lists into (B, width) (zero-padded) plus their lengths, on `device`."""
+    rows = [[int(t) for t in r][:width] for r in rows]
+    out = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+    return out.view(len(rows), width), lens

@@ -217,11 +217,12 @@ class DCOCOModel(DFlashModel):
         anchor: Optional[torch.Tensor] = None,
         anchor_hidden: Optional[torch.Tensor] = None,
     ):
-        """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits (N, P, V).
-        Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), greedy scores and T > 0
-        scores (N, L+P-1, K, K)) over the walk's positions; K is the trained top_k unless given (the corrector scores any K: an
-        inference-time ablation). With `anchor_pair` (L = 1) position 0 is the anchor: `anchor` (N,)
-        repeated K times, logits 0, hidden state `anchor_hidden` (N, H) (the drafter's anchor slot)."""
+        """Shortlists and their transition scores for draft slots: hidden (N, P, H), logits
+        (N, P, V). Returns (candidate ids (N, L+P, K), candidate logits (N, L+P, K), greedy scores
+        and T > 0 scores (N, L+P-1, K, K)) over the walk's positions; K is the trained top_k unless given
+        (the corrector scores any K: an inference-time ablation). With `anchor_pair` (L = 1)
+        position 0 is the anchor: `anchor` (N,) repeated K times, logits 0, hidden state
+        `anchor_hidden` (N, H) (the drafter's anchor slot)."""
         vals, ids = shortlist(logits, top_k or self.dcfg.top_k, self.draft_ids)
         if self.lead:
             if anchor is None or anchor_hidden is None:
@@ -280,12 +281,15 @@ class DCOCODrafter(BlockDrafter):
         self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor]
     ) -> DraftOutput:
         N, k, V = logits.shape
-        lead = self.model.lead
-        anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
-        greedy = torch.tensor([sp.greedy for sp in inp.params])
+        lead, dev = self.model.lead, logits.device
+        anchor = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long, device=dev)
+        greedy = torch.tensor([sp.greedy for sp in inp.params], device=dev)
         sampled = self.walk != "onehot" and not greedy.all()
         ids, vals, scores, hot = self.model.pair_scores(hidden, logits, self.embed, self.top_k, anchor, anchor_hidden)
-        pick = walk_greedy(scores) if not sampled or greedy.any() else torch.zeros(N, k + lead, dtype=torch.long)
+        if not sampled or greedy.any():
+            pick = walk_greedy(scores)
+        else:
+            pick = torch.zeros(N, k + lead, dtype=torch.long, device=dev)
         tokens = ids[:, lead:].gather(2, pick[:, lead:].unsqueeze(2)).squeeze(2)
         probs = None
         if sampled:
@@ -294,11 +298,11 @@ class DCOCODrafter(BlockDrafter):
             if self.walk == "vocab":
                 tok, q = self._vocab_walk(hot[si], ids[si], logits[si], [inp.params[b] for b in si.tolist()], u)
             else:
-                temps = torch.tensor([inp.params[b].temperature for b in si.tolist()])
+                temps = torch.tensor([inp.params[b].temperature for b in si.tolist()], device=dev)
                 sidx, sprobs = walk_sampled(hot[si], None if lead else vals[si, 0], temps, u)
                 tok = ids[si, lead:].gather(2, sidx[:, lead:].unsqueeze(2)).squeeze(2)
                 # q of each drawn slot over the vocabulary, zero off the shortlist (its ids are distinct)
-                q = torch.zeros(len(si), k, V).scatter_(2, ids[si, lead:], sprobs[:, lead:])
+                q = torch.zeros(len(si), k, V, device=dev).scatter_(2, ids[si, lead:], sprobs[:, lead:])
             tokens[si] = tok
             probs = mixed_q(tokens, si, q, V)
-        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)
+        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long, device=dev), probs=probs)

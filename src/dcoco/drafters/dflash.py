@@ -31,7 +31,7 @@ from ..errors import ModelNotFoundError
 from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
-from .checkpoint import load_checkpoint, load_weights, save_checkpoint
+from .checkpoint import save_checkpoint
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -296,9 +296,10 @@ def shortlist(logits: torch.Tensor, k: int, vocab: Optional[torch.Tensor] = None
 
 def inference_mask(ctx_lens: torch.Tensor, T: int, B: int) -> torch.Tensor:
     """(N, 1, B, T + B): each block sees its request's first ctx_lens[n] context slots and itself."""
-    N = ctx_lens.shape[0]
-    ctx = torch.arange(T).unsqueeze(0) < ctx_lens.unsqueeze(1)
-    return torch.cat([ctx.view(N, 1, 1, T).expand(N, 1, B, T), torch.ones(N, 1, B, B, dtype=torch.bool)], dim=-1)
+    N, dev = ctx_lens.shape[0], ctx_lens.device
+    ctx = torch.arange(T, device=dev).unsqueeze(0) < ctx_lens.unsqueeze(1)
+    block = torch.ones(N, 1, B, B, dtype=torch.bool, device=dev)
+    return torch.cat([ctx.view(N, 1, 1, T).expand(N, 1, B, T), block], dim=-1)
 
 
 def training_mask(anchors: torch.Tensor, T: int, B: int) -> torch.Tensor:
@@ -342,6 +343,11 @@ class BlockDrafter(Drafter):
         check_feature_drafter(target, c.vocab_size, c.hidden_size, c.num_target_layers, c.target_layer_ids)
 
     # -- state ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor of a drafting step is made: the model's (= the target's) device."""
+        return self.model.fc.weight.device
+
     def release(self, request_id: int) -> None:
         self.ctx.pop(request_id, None)
         self.ctx_len.pop(request_id, None)
@@ -353,12 +359,12 @@ class BlockDrafter(Drafter):
         if not todo:
             return
         n = max(f.shape[0] for _, f in todo)
-        x = torch.zeros(len(todo), n, todo[0][1].shape[-1], dtype=self.dtype)
-        pos = torch.zeros(len(todo), n, dtype=torch.long)
+        x = torch.zeros(len(todo), n, todo[0][1].shape[-1], dtype=self.dtype, device=self.device)
+        pos = torch.zeros(len(todo), n, dtype=torch.long, device=self.device)
         for i, (r, f) in enumerate(todo):
             T0 = self.ctx_len.get(r, 0)
             x[i, : f.shape[0]] = f.to(self.dtype)
-            pos[i] = torch.arange(T0, T0 + n)
+            pos[i] = torch.arange(T0, T0 + n, device=self.device)
         kv = self.model.context_kv(x, pos)
         for i, (r, f) in enumerate(todo):
             m = f.shape[0]
@@ -393,13 +399,14 @@ class BlockDrafter(Drafter):
         off = self.model.slot_offset
         k = min(inp.num_tokens, self.model.max_draft)
         kv, lens = self._batched_context(rids)
-        anchors = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
-        block = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long)
+        dev = self.device
+        anchors = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long, device=dev)
+        block = torch.full((N, B), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = anchors
-        start = torch.tensor([len(ids) - 1 for ids in inp.token_ids], dtype=torch.long)
-        positions = start.unsqueeze(1) + torch.arange(B)
+        start = torch.tensor([len(ids) - 1 for ids in inp.token_ids], dtype=torch.long, device=dev)
+        positions = start.unsqueeze(1) + torch.arange(B, device=dev)
         T = kv[0][0].shape[2]
-        mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens), T, B)
+        mask = None if all(n == T for n in lens) else inference_mask(torch.tensor(lens, device=dev), T, B)
         out = self.model(self.embed(block).to(self.dtype), positions, kv, mask)
         # a fresh copy with standard strides: torch 2.13's CPU linear is ~20x slower on a strided input
         # (and .contiguous() keeps the block stride of a single request's slice)
@@ -430,17 +437,16 @@ class BlockDrafter(Drafter):
         for selectors that condition on the anchor.)"""
         N, k, V = logits.shape
         tokens = logits.argmax(-1)
-        sampled = torch.tensor([not sp.greedy for sp in inp.params])
+        sampled = torch.tensor([not sp.greedy for sp in inp.params], device=logits.device)
+        lengths = torch.full((N,), k, dtype=torch.long, device=logits.device)
         if not sampled.any():
-            return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long))
+            return DraftOutput(tokens=tokens, lengths=lengths)
         si = sampled.nonzero().squeeze(1)
         q = target_probs(self.draft_columns(logits[si]), [inp.params[b] for b in si.tolist()])
         u = draw_uniforms([inp.generators[b] for b in si.tolist()], k, logits.device)
         tok, q = self.full_columns(sample_from(q, u), q, V)
         tokens[si] = tok
-        return DraftOutput(
-            tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=mixed_q(tokens, si, q, V)
-        )
+        return DraftOutput(tokens=tokens, lengths=lengths, probs=mixed_q(tokens, si, q, V))
 
     def draft_columns(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits -> the draft vocabulary's columns (the rest are -inf): sampling over
@@ -476,21 +482,5 @@ def save_dflash(
     extra: Optional[dict] = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:
-    extra = dict(extra or {})
-    if hasattr(model, "dcfg"):
-        extra["dcoco_config"] = model.dcfg.model_dump()
+    """A DFlash-family checkpoint: HF-style config.json (`to_hf`, plus `extra`) and the weights."""
     save_checkpoint(path, model.cfg.to_hf(method, extra), model.state_dict(), dtype)
-
-
-def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DFlashModel, dict]:
-    """Load a DFlash-family checkpoint: a `DCOCOModel` when it has a `dcoco_config`, else a `DFlashModel`."""
-    raw, state = load_checkpoint(path)
-    cfg = DFlashConfig.from_hf(raw)
-    if "dcoco_config" in raw:
-        from .dcoco import DCOCOConfig, DCOCOModel
-
-        model: DFlashModel = DCOCOModel(cfg, DCOCOConfig(**raw["dcoco_config"]))
-    else:
-        model = DFlashModel(cfg)
-    load_weights(model, state, path)
-    return model.to(dtype), raw

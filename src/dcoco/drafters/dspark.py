@@ -47,10 +47,9 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import ModelNotFoundError
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
-from .checkpoint import load_checkpoint, load_weights, save_checkpoint
+from .checkpoint import save_checkpoint
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel
 
 
@@ -133,12 +132,13 @@ class DSparkDrafter(BlockDrafter):
         self, hidden: torch.Tensor, logits: torch.Tensor, inp: DraftInput, anchor_hidden: Optional[torch.Tensor] = None
     ) -> DraftOutput:
         N, k, V = logits.shape  # logits: the base logits U of the block pass
-        prev = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long)
+        dev = logits.device
+        prev = torch.tensor([ids[-1] for ids in inp.token_ids], dtype=torch.long, device=dev)
         sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
-        u = draw_uniforms([inp.generators[b] for b in sampled], k, logits.device) if sampled else None
-        tokens = torch.zeros(N, k, dtype=torch.long)
-        conf = torch.ones(N, k)
-        probs = torch.zeros(N, k, V) if sampled else None
+        u = draw_uniforms([inp.generators[b] for b in sampled], k, dev) if sampled else None
+        tokens = torch.zeros(N, k, dtype=torch.long, device=dev)
+        conf = torch.ones(N, k, device=dev)
+        probs = torch.zeros(N, k, V, device=dev) if sampled else None
         for j in range(k):
             z, c = self.model.step_logits(logits[:, j], hidden[:, j], prev)
             if c is not None:
@@ -153,7 +153,7 @@ class DSparkDrafter(BlockDrafter):
         if probs is not None:
             for b in (b for b, sp in enumerate(inp.params) if sp.greedy):
                 probs[b].scatter_(1, tokens[b].unsqueeze(1), 1.0)  # greedy rows: one-hot q
-        lengths = torch.full((N,), k, dtype=torch.long)
+        lengths = torch.full((N,), k, dtype=torch.long, device=dev)
         if self.confidence_threshold is not None and k > 0:
             survive = torch.cumprod(conf, dim=1) >= self.confidence_threshold  # non-increasing in j
             lengths = survive.sum(1).clamp(min=1)
@@ -168,21 +168,3 @@ def save_dspark(
     d["dspark_config"] = model.scfg.model_dump()
     d["architectures"] = ["DSparkDraftModel"]
     save_checkpoint(path, model.cfg.to_hf("dspark", d), model.state_dict(), dtype)
-
-
-def load_dspark(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DSparkModel, dict]:
-    raw, state = load_checkpoint(path)
-    if "dspark_config" not in raw:
-        raise ModelNotFoundError(f"{path} is not a DSpark checkpoint (no dspark_config); train one with method: dspark")
-    model = DSparkModel(DFlashConfig.from_hf(raw), DSparkConfig(**raw["dspark_config"]))
-    load_weights(model, state, path)
-    return model.to(dtype), raw
-
-
-def load_dspark_drafter(path: Optional[str], target) -> DSparkDrafter:
-    """Registry loader: `path` or the checkpoint shipped for the embedded target."""
-    from . import resolve_checkpoint
-
-    ckpt = resolve_checkpoint("dspark", path)
-    model, _ = load_dspark(ckpt, dtype=target.dtype)
-    return DSparkDrafter(model.to(target.device), target)

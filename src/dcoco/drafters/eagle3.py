@@ -49,7 +49,7 @@ from ..errors import ModelNotFoundError
 from ..nn.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
-from .checkpoint import load_checkpoint, load_weights, save_checkpoint
+from .checkpoint import save_checkpoint
 
 
 def default_eagle_layer_ids(num_target_layers: int, available_taps: Optional[Sequence[int]] = None) -> list[int]:
@@ -368,6 +368,11 @@ class Eagle3Drafter(Drafter):
         c = self.cfg
         check_feature_drafter(target, c.vocab_size, c.hidden_size, c.num_target_layers, c.layer_ids)
 
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor of a drafting step is made: the model's (= the target's) device."""
+        return self.model.fc.weight.device
+
     def release(self, request_id: int) -> None:
         self.state.pop(request_id, None)
 
@@ -383,10 +388,10 @@ class Eagle3Drafter(Drafter):
         ]
         if not rows:
             return
-        R, n = len(rows), max(f.shape[0] for _, _, f in rows)
-        feats = torch.zeros(R, n, rows[0][2].shape[-1], dtype=self.dtype)
-        toks = torch.zeros(R, n, dtype=torch.long)
-        pos = torch.zeros(R, n, dtype=torch.long)
+        R, n, dev = len(rows), max(f.shape[0] for _, _, f in rows), self.device
+        feats = torch.zeros(R, n, rows[0][2].shape[-1], dtype=self.dtype, device=dev)
+        toks = torch.zeros(R, n, dtype=torch.long, device=dev)
+        pos = torch.zeros(R, n, dtype=torch.long, device=dev)
         old = []
         for i, (b, r, f) in enumerate(rows):
             st = self.state.get(r)
@@ -394,8 +399,8 @@ class Eagle3Drafter(Drafter):
             if P + m != len(seq) - 1:
                 raise RuntimeError(f"eagle3: request {r} has {len(seq)} tokens but {P + m} committed features")
             feats[i, :m] = f.to(self.dtype)
-            toks[i, :m] = torch.tensor(seq[P + 1 : P + 1 + m], dtype=torch.long)
-            pos[i] = torch.arange(P, P + n)
+            toks[i, :m] = torch.tensor(seq[P + 1 : P + 1 + m], dtype=torch.long, device=dev)
+            pos[i] = torch.arange(P, P + n, device=dev)
             old.append(P)
         layer = self.model.midlayer
         hidden = self.model.fc(feats)
@@ -403,16 +408,16 @@ class Eagle3Drafter(Drafter):
         q, k, v = layer.qkv(self.embed(toks), hidden, cos, sin)
         Tc = max(old)
         kvh, d = k.shape[1], k.shape[3]
-        K = torch.zeros(R, kvh, Tc + n, d, dtype=k.dtype)
+        K = torch.zeros(R, kvh, Tc + n, d, dtype=k.dtype, device=dev)
         V = torch.zeros_like(K)
-        mask = torch.zeros(R, 1, n, Tc + n, dtype=torch.bool)
+        mask = torch.zeros(R, 1, n, Tc + n, dtype=torch.bool, device=dev)
         for i, (_, r, _) in enumerate(rows):
             if old[i]:
                 K[i, :, : old[i]] = self.state[r].k
                 V[i, :, : old[i]] = self.state[r].v
                 mask[i, :, :, : old[i]] = True
         K[:, :, Tc:], V[:, :, Tc:] = k, v
-        mask[:, :, :, Tc:] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[:, :, :, Tc:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         out = layer.finish(hidden, self._attend(q, K, V, mask))
         for i, (_, r, f) in enumerate(rows):
             m = f.shape[0]
@@ -428,27 +433,27 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftOutput:
         self._ingest(inp)
-        rids, N, k = inp.request_ids, len(inp.request_ids), inp.num_tokens
+        rids, N, k, dev = inp.request_ids, len(inp.request_ids), inp.num_tokens, self.device
         if k <= 0:
-            return DraftOutput.empty(N)
+            return DraftOutput.empty(N, dev)
         states = [self.state[r] for r in rids]
         lens = [s.n for s in states]
         T = max(lens)
         kvh, d = states[0].k.shape[0], states[0].k.shape[2]
-        Kc = torch.zeros(N, kvh, T, d, dtype=self.dtype)
+        Kc = torch.zeros(N, kvh, T, d, dtype=self.dtype, device=dev)
         Vc = torch.zeros_like(Kc)
-        cmask = torch.zeros(N, 1, 1, T, dtype=torch.bool)
+        cmask = torch.zeros(N, 1, 1, T, dtype=torch.bool, device=dev)
         for b, s in enumerate(states):
             Kc[b, :, : s.n], Vc[b, :, : s.n] = s.k, s.v
             cmask[b, :, :, : s.n] = True
         h = torch.stack([s.last for s in states]).unsqueeze(1)  # (N, 1, H)
-        last_pos = torch.tensor(lens, dtype=torch.long) - 1  # position of each request's last entry
+        last_pos = torch.tensor(lens, dtype=torch.long, device=dev) - 1  # position of each request's last entry
         to_target = self.model.draft_to_target
         V = self.cfg.vocab_size
         sampled = [b for b, sp in enumerate(inp.params) if not sp.greedy]
         u = draw_uniforms([inp.generators[b] for b in sampled], k, h.device) if sampled else None
-        tokens = torch.zeros(N, k, dtype=torch.long)
-        probs = torch.zeros(N, k, V) if sampled else None
+        tokens = torch.zeros(N, k, dtype=torch.long, device=dev)
+        probs = torch.zeros(N, k, V, device=dev) if sampled else None
         layer = self.model.midlayer
         chain_k, chain_v = [], []
         for j in range(k):
@@ -457,7 +462,7 @@ class Eagle3Drafter(Drafter):
             if sampled:
                 qd = target_probs(z[sampled].unsqueeze(1), [inp.params[b] for b in sampled]).squeeze(1)
                 did[sampled] = sample_from(qd, u[:, j])
-                full = torch.zeros(len(sampled), V)
+                full = torch.zeros(len(sampled), V, device=dev)
                 full[:, to_target] = qd
                 probs[sampled, j] = full
             tok = to_target[did]
@@ -470,12 +475,12 @@ class Eagle3Drafter(Drafter):
             chain_v.append(vv)
             K = torch.cat([Kc] + chain_k, dim=2)
             Vv = torch.cat([Vc] + chain_v, dim=2)
-            mask = torch.cat([cmask, torch.ones(N, 1, 1, j + 1, dtype=torch.bool)], dim=-1)
+            mask = torch.cat([cmask, torch.ones(N, 1, 1, j + 1, dtype=torch.bool, device=dev)], dim=-1)
             h = layer.finish(h, self._attend(q, K, Vv, mask))
         if probs is not None:
             for b in (b for b, sp in enumerate(inp.params) if sp.greedy):
                 probs[b].scatter_(1, tokens[b].unsqueeze(1), 1.0)  # greedy rows: one-hot q
-        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long), probs=probs)
+        return DraftOutput(tokens=tokens, lengths=torch.full((N,), k, dtype=torch.long, device=dev), probs=probs)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -485,26 +490,16 @@ def save_eagle3(
     save_checkpoint(path, model.cfg.to_hf(extra), model.state_dict(), dtype)
 
 
-def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Eagle3Model, dict]:
-    raw, state = load_checkpoint(path)
-    if "LlamaForCausalLMEagle3" not in (raw.get("architectures") or []):
-        raise ModelNotFoundError(f"{path} is not an EAGLE-3 checkpoint (architectures {raw.get('architectures')})")
-    model = Eagle3Model(Eagle3Config.from_hf(raw))
+def eagle3_state(model: Eagle3Model, state: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights in `Eagle3Model`'s names: SpecForge's `layers.0.` prefix as `midlayer.`,
+    no embedding table (dcoco always uses the target's), and `t2d` derived from `d2t` when missing."""
     state = {("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): v for k, v in state.items()}
-    state.pop("embed_tokens.weight", None)  # dcoco always uses the target's embedding table
+    state.pop("embed_tokens.weight", None)
     if "t2d" not in state and "d2t" in state:
         state["t2d"] = torch.zeros(model.cfg.vocab_size, dtype=torch.bool)
         state["t2d"][torch.arange(model.cfg.draft_vocab_size) + state["d2t"].long()] = True
-    load_weights(model, state, path)
-    if not torch.equal(model.t2d.nonzero().squeeze(1), model.draft_to_target):
-        raise ModelNotFoundError(f"{path}: d2t and t2d disagree")
-    return model.to(dtype), raw
-
-
-def load_eagle3_drafter(path: Optional[str], target) -> Eagle3Drafter:
-    """Registry loader: `path` or the checkpoint shipped for the embedded target."""
-    from . import resolve_checkpoint
-
-    ckpt = resolve_checkpoint("eagle3", path)
-    model, _ = load_eagle3(ckpt, dtype=target.dtype)
-    return Eagle3Drafter(model.to(target.device), target)
+    if "t2d" in state and "d2t" in state:
+        t2d = state["t2d"].bool().nonzero().squeeze(1)
+        if not torch.equal(t2d, torch.arange(model.cfg.draft_vocab_size) + state["d2t"].long()):
+            raise ModelNotFoundError(f"{path}: d2t and t2d disagree")
+    return state

@@ -36,9 +36,9 @@ class NgramDrafter(Drafter):
 
     def propose(self, inp: DraftInput) -> DraftOutput:
         if inp.num_tokens <= 0:
-            return DraftOutput.empty(len(inp.token_ids))
+            return DraftOutput.empty(len(inp.token_ids), inp.device)
         rows = [
             lookup(np.asarray(ids, dtype=np.int64), inp.num_tokens, self.max_n, self.min_n) for ids in inp.token_ids
         ]
-        tokens, lens = pad_rows(rows, max(1, max(len(r) for r in rows)))
+        tokens, lens = pad_rows(rows, max(1, max(len(r) for r in rows)), inp.device)
         return DraftOutput(tokens=tokens, lengths=lens)

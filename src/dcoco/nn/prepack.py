@@ -3,9 +3,10 @@
 A bf16 `F.linear` on CPU hands its weight to oneDNN, which lays it out anew for its matrix kernels
 (AMX / AVX-512 BF16) on every call. Decoding multiplies one to a few rows per step, where that
 re-layout is a large part of the work: packing once takes 15-26% less time per multiply on a 2-core
-Xeon, with the same results (`scripts/linear_bandwidth.py`; README, "Prepacked weights"). The packed
-copy follows its weight: it is rebuilt when the weight is changed in place (an optimizer step,
-`load_state_dict`) or replaced. Autograd, other devices and other dtypes take plain `F.linear`.
+Xeon, with the same results (`scripts/linear_bandwidth.py`;
+docs/experiments/2026-12-02-prepacked-weights.md). The packed copy follows its weight: it is
+rebuilt when the weight is changed in place (an optimizer step, `load_state_dict`) or replaced.
+Autograd, other devices and other dtypes take plain `F.linear`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Typed errors for the scale-out package.
 
-Every error subclasses a builtin (``ValueError``, ``RuntimeError`` or
-``TimeoutError``) so callers that do not know this package can still catch it
-generically, while tests and training loops can match the precise failure.
+Every error is a `DcocoError` (the CLI prints it as one line) and subclasses a builtin
+(``ValueError``, ``RuntimeError`` or ``TimeoutError``) so callers that do not know this package
+can still catch it generically, while tests and training loops can match the precise failure.
 """
 
 from __future__ import annotations
+
+from ..errors import DcocoError
 
 __all__ = [
     "ParallelError",
@@ -21,7 +23,7 @@ __all__ = [
 ]
 
 
-class ParallelError(Exception):
+class ParallelError(DcocoError):
     """Base class of every error raised by :mod:`dcoco.parallel`."""
 
 

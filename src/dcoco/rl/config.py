@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from ..train.config import DrafterSection, _Section, parse_config
+from ..families import DEFAULT_TRAINED
+from ..train.config import DrafterSection, _Section, check_trained_method, parse_config
 
 
 class PolicySection(_Section):
@@ -61,7 +62,10 @@ class GRPOSection(_Section):
 
 
 class DraftSection(_Section):
-    method: Literal["none", "dflash", "dcoco", "dspark", "eagle3"] = "dflash"
+    # "none": no draft; else a trained family
+    method: Annotated[str, AfterValidator(lambda v: v if v == "none" else check_trained_method(v))] = (
+        DEFAULT_TRAINED.name
+    )
     # a drafter checkpoint directory; None: the checkpoint shipped for the embedded target if there is
     # one, else a fresh drafter built from `arch` (DFlash family: from the target's last layers;
     # EAGLE-3: over the whole target vocabulary); "fresh" forces the fresh one
@@ -71,9 +75,10 @@ class DraftSection(_Section):
     lr: float = Field(3e-4, gt=0.0)
     weight_decay: float = 0.01
     grad_clip: float = Field(1.0, gt=0.0)
-    anchors_per_seq: int = Field(8, ge=1)  # DFlash-family blocks per rollout sequence (EAGLE-3: see arch.ttt_slots)
+    anchors_per_seq: int = Field(
+        8, ge=1
+    )  # DFlash-family blocks per rollout sequence (EAGLE-3: see arch.eagle3.ttt_slots)
     loss_decay_gamma: float = Field(7.0, gt=0.0)
-    corrector_weight: float = 1.0  # DCOCO
     arch: DrafterSection = DrafterSection()  # the shape of a fresh drafter, as in `dcoco train`
 
 

@@ -23,13 +23,11 @@ from typing import Optional
 import torch
 from torch.func import functional_call
 
-from ..drafters import shipped_checkpoint
-from ..drafters.base import Drafter
+from ..families import LossParts, ModelSource, build_model, get_family, shipped_checkpoint
 from ..target import Target
-from ..train.trainer import DCOCOLoss, DrafterLoss, build_block_model, loss_batch
+from ..train.batch import loss_batch
+from ..train.losses import TargetHead
 from .config import DraftSection
-
-LAST_LAYER_FAMILIES = ("dspark", "eagle3")
 
 
 class Detached:
@@ -56,64 +54,23 @@ def initial_checkpoint(cfg: DraftSection) -> Optional[str]:
 
 def build_draft_model(cfg: DraftSection, target: Target) -> torch.nn.Module:
     """The draft to co-train, float32: loaded from `initial_checkpoint`, or fresh from `cfg.arch`."""
-    path = initial_checkpoint(cfg)
-    if cfg.method == "eagle3":
-        from ..drafters.eagle3 import default_eagle_layer_ids, load_eagle3
-        from ..train.eagle3 import new_eagle3_model
-
-        if path:
-            return load_eagle3(path)[0].float().train()
-        ids = list(cfg.arch.eagle_layer_ids or default_eagle_layer_ids(target.num_layers))
-        return new_eagle3_model(target, ids, cfg.arch, None)
-    return build_block_model(cfg.method, cfg.arch.model_copy(update={"init_from": path}), target)
+    arch = cfg.arch.model_copy(update={"init_from": initial_checkpoint(cfg)})
+    with torch.device(target.device):
+        return build_model(get_family(cfg.method), arch, target, ModelSource()).to(target.device)
 
 
 def build_draft_loss(cfg: DraftSection, model: torch.nn.Module, target: Target):
     """The family's training loss, reading the policy's embedding / LM head / final norm detached."""
-    embed = Detached(target.model.get_input_embeddings())
-    head = Detached(target.model.get_output_embeddings())
-    gamma, a = cfg.loss_decay_gamma, cfg.arch
-    split = len(model.cfg.taps) * target.hidden_size
-    if cfg.method == "dflash":
-        return DrafterLoss(model, embed, head, gamma)
-    if cfg.method == "dcoco":
-        return DCOCOLoss(model, embed, head, gamma, cfg.corrector_weight)
-    from ..train.dspark import DSparkLoss, TargetHead
-
-    if cfg.method == "dspark":
-        return DSparkLoss(
-            model,
-            embed,
-            head,
-            gamma,
-            TargetHead(target),
-            split,
-            a.dspark_ce_weight,
-            a.dspark_l1_weight,
-            a.dspark_confidence_weight,
-        )
-    from ..train.eagle3 import Eagle3Loss
-
-    return Eagle3Loss(model, embed, TargetHead(target), split, a.ttt_steps, a.ttt_decay, a.ttt_slots)
-
-
-def make_drafter(method: str, model: torch.nn.Module, target: Target) -> Drafter:
-    """A fresh inference wrapper around `model` (no per-request state left from earlier rollouts)."""
-    if method == "dflash":
-        from ..drafters.dflash import BlockDrafter
-
-        return BlockDrafter(model, target)
-    if method == "dcoco":
-        from ..drafters.dcoco import DCOCODrafter
-
-        return DCOCODrafter(model, target)
-    if method == "dspark":
-        from ..drafters.dspark import DSparkDrafter
-
-        return DSparkDrafter(model, target)
-    from ..drafters.eagle3 import Eagle3Drafter
-
-    return Eagle3Drafter(model, target)
+    family = get_family(cfg.method)
+    parts = LossParts(
+        Detached(target.model.get_input_embeddings()),
+        Detached(target.model.get_output_embeddings()),
+        TargetHead(target) if family.reads_last_layer(cfg.arch) else None,
+        len(model.cfg.taps) * target.hidden_size,
+        cfg.loss_decay_gamma,
+    )
+    with torch.device(target.device):
+        return family.build_loss(model, parts, cfg.arch)
 
 
 class DraftCoTrainer:
@@ -121,12 +78,13 @@ class DraftCoTrainer:
 
     def __init__(self, cfg: DraftSection, target: Target):
         self.cfg, self.method = cfg, cfg.method
+        self.family = get_family(cfg.method)
         self.model = build_draft_model(cfg, target)
-        make_drafter(self.method, self.model, target).check_target(target)
+        self.family.drafter(self.model, target).check_target(target)
         self.model.eval()
         self.taps = list(self.model.cfg.taps)
-        # policy features the loss reads: the drafter's taps, then the last layer for DSpark / EAGLE-3
-        self.feature_taps = self.taps + ([target.num_layers] if self.method in LAST_LAYER_FAMILIES else [])
+        # policy features the loss reads: the drafter's taps, then the last layer when its family needs it
+        self.feature_taps = self.taps + ([target.num_layers] if self.family.reads_last_layer(cfg.arch) else [])
         self.loss = build_draft_loss(cfg, self.model, target)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.ndim >= 2]
@@ -165,15 +123,4 @@ class DraftCoTrainer:
 
     def export(self, path: Path, extra: Optional[dict] = None) -> None:
         """The draft as a checkpoint directory that `dcoco generate --method M --drafter DIR` loads."""
-        if self.method == "eagle3":
-            from ..drafters.eagle3 import save_eagle3
-
-            save_eagle3(path, self.model, extra=extra)
-        elif self.method == "dspark":
-            from ..drafters.dspark import save_dspark
-
-            save_dspark(path, self.model, extra=extra)
-        else:
-            from ..drafters.dflash import save_dflash
-
-            save_dflash(path, self.model, method=self.method, extra=extra)
+        self.family.save(path, self.model, {**self.family.checkpoint_extra(self.cfg.arch), **(extra or {})})

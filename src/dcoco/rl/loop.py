@@ -42,7 +42,7 @@ from ..sampling import SamplingParams
 from ..target import Target, resolve_dtype
 from ..train.runstate import append_log, save_state, truncate_log
 from .config import RLConfig
-from .cotrain import DraftCoTrainer, make_drafter
+from .cotrain import DraftCoTrainer
 from .grpo import completion_logprobs, group_advantages, grpo_loss
 from .task import Problem, Task, build_task
 
@@ -106,7 +106,7 @@ class RLRun:
     def rollout(self, prompts: list[list[int]], params: list[SamplingParams]):
         """Generate through a fresh engine with the current draft; returns outputs, stats, seconds."""
         self.sync()
-        drafter = make_drafter(self.draft.method, self.rollout_draft, self.rollout_target) if self.draft else None
+        drafter = self.draft.family.drafter(self.rollout_draft, self.rollout_target) if self.draft else None
         engine = SpeculativeEngine(
             self.rollout_target,
             drafter,

@@ -244,9 +244,9 @@ def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
 def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict], dict]:
     import torch
 
-    from ..drafters import SpeculativeConfig, load_drafter
     from ..engine import SpeculativeEngine
     from ..sampling import SamplingParams
+    from ..speculative import SpeculativeConfig, load_drafter
     from ..target import Target
     from .policy import LoadAwarePolicy
 
@@ -355,7 +355,10 @@ def markdown(result: dict) -> str:
         "vLLM's mean `1 + accepted / drafts` (passes that drafted nothing are not counted).",
         "",
     ]
-    head = "| mode | concurrency | requests | errors | output tok/s | req/s | speedup vs offline vanilla | TTFT p50 (s) | TTFT p90 (s) | e2e p50 (s) | e2e p90 (s) | acceptance length |"
+    head = (
+        "| mode | concurrency | requests | errors | output tok/s | req/s | speedup vs offline vanilla "
+        "| TTFT p50 (s) | TTFT p90 (s) | e2e p50 (s) | e2e p90 (s) | acceptance length |"
+    )
     lines += [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     van = {r["concurrency"]: r["output_tokens_per_s"] for r in result["rows"] if r["mode"] == "offline-vanilla"}
     for r in sorted(result["rows"], key=lambda r: (r["mode"] != "server", r["mode"], r["concurrency"])):
@@ -363,7 +366,8 @@ def markdown(result: dict) -> str:
         if sp is None and van.get(r["concurrency"]):
             sp = r["output_tokens_per_s"] / van[r["concurrency"]]
         lines.append(
-            f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {_f(r['output_tokens_per_s'], 1)} | "
+            f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | "
+            f"{_f(r['output_tokens_per_s'], 1)} | "
             f"{_f(r['requests_per_s'], 2)} | {_f(sp)} | {_f(r.get('ttft_p50_s'), 3)} | {_f(r.get('ttft_p90_s'), 3)} | "
             f"{_f(r.get('e2e_p50_s'), 3)} | {_f(r.get('e2e_p90_s'), 3)} | {_f(r.get('mean_acceptance_length'))} |"
         )
@@ -498,7 +502,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="offline: HF model directory (default: embedded SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--method", default="ngram")
+    from ..families import MODEL_FREE
+
+    p.add_argument("--method", default=MODEL_FREE.name)
     p.add_argument("--drafter", default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--draft-token-budget", type=int, default=32)

@@ -14,7 +14,7 @@ uses), a counter `dcoco:x` is exposed as the sample `dcoco:x_total`. Every sampl
 | `dcoco:spec_decode_num_drafts` | counter | verification passes that verified at least one draft token |
 | `dcoco:spec_decode_num_draft_tokens` | counter | draft tokens verified |
 | `dcoco:spec_decode_num_accepted_tokens` | counter | draft tokens accepted |
-| `dcoco:spec_decode_num_accepted_tokens_per_pos` | counter | accepted draft tokens at draft position `position` (0-based) |
+| `dcoco:spec_decode_num_accepted_tokens_per_pos` | counter | accepted draft tokens at `position` (0-based) |
 | `dcoco:spec_decode_draft_block_size` | gauge | draft block length k of the latest pass (load-aware drafting) |
 | `dcoco:time_to_first_token_seconds` | histogram | arrival to first generated token |
 | `dcoco:e2e_request_latency_seconds` | histogram | arrival to finish |

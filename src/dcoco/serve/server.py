@@ -10,9 +10,10 @@ import threading
 import time
 from typing import Optional
 
-from ..drafters import SpeculativeConfig, load_drafter
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
+from ..families import MODEL_FREE
+from ..speculative import SpeculativeConfig, load_drafter
 from ..target import Target
 from .policy import LoadAwarePolicy
 
@@ -21,7 +22,7 @@ def build_engine(
     model: Optional[str] = None,
     dtype: str = "bfloat16",
     device: str = "cpu",
-    method: str = "ngram",
+    method: Optional[str] = None,
     drafter: Optional[str] = None,
     num_speculative_tokens: Optional[int] = None,
     max_batch_size: int = 32,
@@ -31,7 +32,7 @@ def build_engine(
 ) -> SpeculativeEngine:
     """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
     cfg = SpeculativeConfig.parse(
-        {"method": method, "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+        {"method": method or MODEL_FREE.name, "model": drafter, "num_speculative_tokens": num_speculative_tokens}
     )
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {max_batch_size}")

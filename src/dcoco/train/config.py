@@ -4,12 +4,13 @@ wrong types are errors (`ConfigError`), so a typo never silently trains the wron
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, TypeVar, Union
+from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, create_model
 
 from ..errors import ConfigError
+from ..families import DEFAULT_TRAINED, FAMILIES, trained_families
 
 
 class _Section(BaseModel):
@@ -32,49 +33,32 @@ class DataSection(_Section):
     features: Literal["stored", "online"] = "stored"
 
 
-class DrafterSection(_Section):
+class CommonDrafterSection(_Section):
+    """The drafter's shape and start, shared by the families; each family adds its own subsection
+    (`drafter.dcoco`, `drafter.dspark`, `drafter.eagle3`: the registry's `Family.settings`)."""
+
     num_layers: int = 2
     block_size: int = 16
     num_features: int = 5  # tapped target layers (evenly spaced, published default)
     intermediate_size: Optional[int] = None  # default: the target's
     init_from: Optional[str] = None  # warm start from a drafter checkpoint directory
     init_from_target: bool = True  # else: random layers (see dflash.init_from_target)
-    # DCOCO corrector (method: dcoco)
-    top_k: int = 8
-    proj_dim: int = 128
-    corrector_hidden: int = 256
-    use_embedding: bool = True
-    use_hidden: bool = True
-    use_pair_context: bool = True
-    sampled_walk: bool = False  # inference default at T > 0: sampled walk (q = softmax(S / T)) instead of one-hot
-    vocab_walk: bool = False  # ... drawn from the whole draft vocabulary, the shortlist rescored (extension)
-    sampled_head: bool = False  # a second output of Delta for the T > 0 walks, trained by the L1 term (extension)
-    anchor_pair: bool = False  # extension: also correct the first draft slot, with the anchor as predecessor
-    train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
-    # DSpark Markov and confidence heads (method: dspark; see drafters/dspark.py)
-    markov_rank: int = 64  # r of bias = W2 . W1[x_prev]; W1, W2 hold 2 * vocab * r parameters
-    anchor_slot: bool = True  # slot j predicts x_{anchor+j+1}, B drafts per block (published); False: DFlash slots
-    confidence_head: bool = True  # c_j = sigmoid(w . [h_j; W1[x_{j-1}]]), trained with BCE
-    confidence_threshold: Optional[float] = None  # stored for inference: cut the block where prod c < threshold
-    dspark_ce_weight: float = 0.1  # loss = ce * CE + l1 * ||p_draft - p_target||_1 + confidence * BCE
-    dspark_l1_weight: float = 0.9
-    dspark_confidence_weight: float = 1.0
-    # EAGLE-3 (method: eagle3; one decoder layer as published, num_layers / block_size / num_features unused)
-    eagle_layer_ids: Optional[list[int]] = (
-        None  # 0-based decoder-layer ids (tap = id + 1); None: low/mid/high from the data's taps
-    )
     # draft vocabulary: the most frequent response tokens of the training data. EAGLE-3 trains its LM
     # head on them (d2t / t2d); the DFlash family keeps the full head for its loss and scores only
     # these rows at inference (`draft_ids`). >= the vocabulary size: no draft vocabulary
     draft_vocab_size: int = 8192
-    ttt_steps: int = 7  # unrolled training-time-test steps
-    ttt_decay: float = 0.8  # step j of the unroll is weighted ttt_decay ** j
-    ttt_slots: Optional[int] = (
-        None  # start slots per sequence whose chains are unrolled (sampled like anchors); None: all
-    )
-    num_speculative_tokens: Optional[int] = (
-        None  # default draft tokens per pass stored in the checkpoint (None: ttt_steps / block_size - 1)
-    )
+    # default draft tokens per pass stored in the checkpoint (None: EAGLE-3's ttt_steps / block_size - 1)
+    num_speculative_tokens: Optional[int] = None
+
+
+def _drafter_section() -> type[CommonDrafterSection]:
+
+    fields = {n: (f.settings, f.settings()) for n, f in FAMILIES.items() if f.settings is not None}
+    return create_model("DrafterSection", __base__=CommonDrafterSection, **fields)
+
+
+#: the `drafter` section: the common fields plus one subsection per family that has settings
+DrafterSection = _drafter_section()
 
 
 class OptimSection(_Section):
@@ -91,10 +75,6 @@ class OptimSection(_Section):
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)
-    corrector_weight: float = 1.0
-    # DCOCO: + corrector_l1_weight * ||q - p_target||_1, q the T > 0 walk's distribution given the target's
-    # previous token (its T=1 acceptance; needs the target's last layer in the data, as DSpark)
-    corrector_l1_weight: float = 0.0
     seed: int = 0
     autocast_bf16: bool = True
     threads: Optional[int] = None
@@ -106,8 +86,15 @@ class RunSection(_Section):
     eval_every: int = 250
 
 
+def check_trained_method(v: str) -> str:
+    """A trained family's name (the registry's), for `method` fields."""
+    if v not in trained_families():
+        raise ValueError(f"unknown method {v!r}; choose one of {', '.join(trained_families())}")
+    return v
+
+
 class TrainConfig(_Section):
-    method: Literal["dflash", "dcoco", "dspark", "eagle3"] = "dflash"
+    method: Annotated[str, AfterValidator(check_trained_method)] = DEFAULT_TRAINED.name
     target: TargetSection = TargetSection()
     data: DataSection = DataSection()
     drafter: DrafterSection = DrafterSection()

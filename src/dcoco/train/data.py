@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -332,3 +333,42 @@ def jsonl_conversation_prompts(path: str | Path) -> Iterator[Prompt]:
         text = first_user_turn(rec.get("conversations") or [])
         if text is not None:
             yield Prompt(id=str(rec.get("id", f"line{n}")), messages=[{"role": "user", "content": text}])
+
+
+def select_prompts(
+    sources: Sequence[str | Path] = (),
+    heldout_permille: Optional[int] = None,
+    exclude: Sequence[str | Path] = (),
+    seed: Optional[int] = None,
+    limit: Optional[int] = None,
+) -> list[Prompt]:
+    """Prompts (first user turns) for `data regenerate --source` or `bench --datasets`: those of the
+    ShareGPT training split, or of the regenerated directories `sources`; only the hash hold-out that
+    training leaves out when `heldout_permille` is given; without those already answered in `exclude`;
+    shuffled by `seed`; at most `limit`."""
+    from ..datasets import first_user_turn
+    from .batch import is_eval_sample
+
+    if sources:
+        rows = RegeneratedUnion(list(sources)).samples()
+        found = (Prompt(s["id"], [{"role": "user", "content": first_user_turn(s["conversations"])}]) for s in rows)
+        prompts: Iterable[Prompt] = (p for p in found if p.messages[0]["content"] is not None)
+    else:
+        prompts = sharegpt_train_prompts()
+    if heldout_permille is not None:
+        prompts = (p for p in prompts if is_eval_sample(p.id, heldout_permille))
+    used = {s["id"] for s in RegeneratedUnion(list(exclude)).samples()} if exclude else set()
+    out = [p for p in prompts if p.id not in used]
+    if seed is not None:
+        random.Random(seed).shuffle(out)
+    return out[:limit] if limit else out
+
+
+def write_prompts(prompts: Iterable[Prompt], path: str | Path) -> int:
+    """ShareGPT-format JSONL (`id`, `conversations`), the format `--source` and `--datasets` read."""
+    n = 0
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"id": p.id, "conversations": p.messages}) + "\n")
+            n += 1
+    return n

@@ -1,0 +1,116 @@
+"""The DCOCO family: DFlash plus the contextual corrector, trained jointly."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from ..drafters.checkpoint import load_weights
+from ..drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel
+from ..drafters.dflash import DFlashConfig, save_dflash
+from ..errors import ConfigError
+from ..train.losses import DCOCOLoss
+from .base import LossParts, ModelSource, narrowed
+from .dflash import DFLASH, DFlashFamily
+
+
+class DCOCOSettings(DCOCOConfig):
+    """`drafter.dcoco`: the corrector's shape and inference defaults (`DCOCOConfig`), plus training."""
+
+    train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
+    corrector_weight: float = 1.0  # loss = DFlash's + corrector_weight * corrector's
+    # + corrector_l1_weight * ||q - p_target||_1, q the T > 0 walk's distribution given the target's
+    # previous token (its T=1 acceptance; needs the target's last layer in the data, as DSpark)
+    corrector_l1_weight: float = 0.0
+
+    def corrector(self) -> DCOCOConfig:
+        return narrowed(self, DCOCOConfig)
+
+
+class DCOCOFamily(DFlashFamily):
+    name = "dcoco"
+    summary = "DFlash Contextual Corrector: top-K candidates per slot, neighbouring pairs rescored"
+    drafter_class = DCOCODrafter
+    model_class = DCOCOModel
+    settings = DCOCOSettings
+    spec_options = ("dcoco_top_k", "dcoco_walk", "dcoco_correct")
+    select_baseline = "dflash"
+
+    def recognizes(self, raw: dict) -> bool:
+        return "dcoco_config" in raw
+
+    def configure(self, drafter: DCOCODrafter, spec) -> None:
+        drafter.configure(correct=spec.dcoco_correct, top_k=spec.dcoco_top_k, walk=spec.dcoco_walk)
+
+    def variant_options(self, tag: str) -> dict:
+        """`nocorrect` (the backbone alone), `onehot` / `sampled` / `vocab` (the T > 0 walk), `kN`
+        (a shortlist of N)."""
+        if tag == "nocorrect":
+            return {"dcoco_correct": False}
+        if tag in ("onehot", "sampled", "vocab"):
+            return {"dcoco_walk": tag}
+        m = re.fullmatch(r"k(\d+)", tag)
+        return {"dcoco_top_k": int(m[1])} if m else {}
+
+    def read(self, raw: dict, state: dict, path) -> DCOCOModel:
+        model = DCOCOModel(DFlashConfig.from_hf(raw), DCOCOConfig(**raw["dcoco_config"]))
+        load_weights(model, state, path)
+        return model
+
+    def save(self, path, model: DCOCOModel, extra: Optional[dict] = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        save_dflash(
+            path, model, method=self.name, extra={**(extra or {}), "dcoco_config": model.dcfg.model_dump()}, dtype=dtype
+        )
+
+    # -- training ----------------------------------------------------------------------------
+    def build_model(self, d, target, source: ModelSource, start=None) -> DCOCOModel:
+        """A zero-initialised corrector on the DFlash backbone; from a DCOCO checkpoint, its trained
+        corrector (its shape comes with it, the inference defaults from the settings)."""
+        s: DCOCOSettings = d.dcoco
+        trained = start
+        if isinstance(trained, DCOCOModel):
+            dcfg = trained.dcfg.model_copy(
+                update={
+                    "sampled_walk": s.sampled_walk,
+                    "vocab_walk": s.vocab_walk,
+                    "sampled_head": trained.dcfg.sampled_head or s.sampled_head,
+                }
+            )
+            model = DCOCOModel(trained.cfg, dcfg)  # a sampled head added here starts at zero
+            missing, unexpected = model.load_state_dict(trained.state_dict(), strict=False)
+            if set(missing) - {"corrector.out_sampled.weight", "corrector.out_sampled.bias"} or unexpected:
+                raise ConfigError(
+                    f"{d.init_from}: its weights do not fit its own config "
+                    f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+                )
+        else:
+            backbone = DFLASH.backbone(d, target, start)
+            model = DCOCOModel(backbone.cfg, s.corrector())
+            model.load_state_dict(backbone.state_dict(), strict=False)
+        if not s.train_backbone:
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.startswith("corrector."))
+        return self.finish(model, d, target, source)
+
+    def reads_last_layer(self, d) -> bool:
+        return d.dcoco.corrector_l1_weight > 0
+
+    def build_loss(self, model, parts: LossParts, d) -> DCOCOLoss:
+        s = d.dcoco
+        return DCOCOLoss(
+            model,
+            parts.embed,
+            parts.lm_head,
+            parts.gamma,
+            parts.split,
+            parts.target_head,
+            corrector_weight=s.corrector_weight,
+            l1_weight=s.corrector_l1_weight,
+        )
+
+
+DCOCO = DCOCOFamily()
+
+__all__ = ["DCOCO", "DCOCOFamily", "DCOCOSettings"]

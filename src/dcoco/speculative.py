@@ -1,0 +1,142 @@
+"""`speculative_config`: which drafter an engine runs and how, resolved through the family registry."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .drafters.base import Drafter
+from .errors import ConfigError, UnknownMethodError
+from .families import FAMILIES, METHODS, get_family, load_drafter_model, shipped_checkpoint
+
+
+class SpeculativeConfig(BaseModel):
+    """Mirrors vLLM's `speculative_config`: `method`, `model` (drafter checkpoint directory; None uses
+    the checkpoint shipped for the embedded target), `num_speculative_tokens` (None: the drafter's
+    default), and the n-gram window `prompt_lookup_max` / `prompt_lookup_min`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str = "vanilla"
+    model: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    # DCOCO inference options (ablations; None keeps the checkpoint's setting)
+    dcoco_top_k: Optional[int] = None  # shortlist size K
+    # T > 0: one-hot corrected draft (a), sampled walk over the shortlist (b), or over the draft vocabulary (extension)
+    dcoco_walk: Optional[Literal["onehot", "sampled", "vocab"]] = None
+    dcoco_correct: bool = True  # False: draft with the DCOCO checkpoint's backbone alone, as plain DFlash
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise UnknownMethodError(f"unknown method {v!r}; choose one of {', '.join(METHODS)}")
+        return v
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _k(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not 0 <= v <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {v}")
+        return v
+
+    @field_validator("dcoco_top_k")
+    @classmethod
+    def _top_k(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not 1 <= v <= 256:
+            raise ValueError(f"dcoco_top_k must be in [1, 256], got {v}")
+        return v
+
+    @classmethod
+    def parse(cls, cfg: "SpeculativeConfig | dict | None") -> "SpeculativeConfig":
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, SpeculativeConfig):
+            return cfg
+        if isinstance(cfg, dict) and cfg.get("method") is not None and cfg["method"] not in METHODS:
+            raise UnknownMethodError(f"unknown method {cfg['method']!r}; choose one of {', '.join(METHODS)}")
+        try:
+            return cls(**cfg)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"]) or "speculative_config"
+            raise ConfigError(f"invalid speculative_config.{loc}: {err['msg']}") from None
+
+    def foreign_options(self) -> dict[str, str]:
+        """Options set here that belong to another family than `method`: {option: its family}."""
+        return {
+            f: name
+            for name, fam in FAMILIES.items()
+            if name != self.method
+            for f in fam.spec_options
+            if getattr(self, f) != type(self).model_fields[f].default
+        }
+
+
+def split_label(label: str) -> tuple[str, str]:
+    """`METHOD/TAG` -> (METHOD, TAG): a labelled variant of a method (bench ablations); TAG may be ''."""
+    base, _, tag = label.partition("/")
+    return base, tag
+
+
+def variant_options(label: str) -> dict:
+    """SpeculativeConfig options a variant label stands for (its family's `variant_options`). Any
+    other tag only names a checkpoint given explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
+    base, tag = split_label(label)
+    if base not in FAMILIES or not tag:
+        return {}
+    return FAMILIES[base].variant_options(tag)
+
+
+def available_methods() -> list[str]:
+    """Methods that run out of the box on the embedded target (trained ones need a shipped checkpoint)."""
+    return [m for m in METHODS if m not in FAMILIES or not FAMILIES[m].trained or shipped_checkpoint(m)]
+
+
+def slow_bf16_verification(target) -> bool:
+    """Whether the target runs bf16 on a CPU without bf16 matrix instructions (AVX-512 BF16 or AMX).
+    There a pass over n new tokens costs about n decode steps (README: "On a CPU without bf16 matrix
+    units"), so verifying a drafted block rarely pays off."""
+    if target.device.type != "cpu" or target.dtype != torch.bfloat16:
+        return False
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
+    """Build the drafter a config names (None for vanilla)."""
+    if cfg.method == "vanilla":
+        return None
+    if slow_bf16_verification(target):
+        warnings.warn(
+            f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): verifying a block of n tokens "
+            f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here",
+            stacklevel=2,
+        )
+    foreign = cfg.foreign_options()
+    if foreign:
+        owner = next(iter(foreign.values()))
+        raise ConfigError(f"option(s) {', '.join(foreign)} apply to method {owner}, not {cfg.method}")
+    family = get_family(cfg.method)
+    if not family.trained:
+        return family.make_drafter(cfg, target)
+    model = load_drafter_model(cfg.method, cfg.model, dtype=target.dtype).to(target.device)
+    drafter = family.drafter(model, target)
+    drafter.check_target(target)
+    family.configure(drafter, cfg)
+    return drafter
+
+
+__all__ = [
+    "METHODS",
+    "SpeculativeConfig",
+    "available_methods",
+    "load_drafter",
+    "slow_bf16_verification",
+    "split_label",
+    "variant_options",
+]

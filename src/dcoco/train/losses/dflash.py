@@ -1,0 +1,96 @@
+"""DFlash's training loss: every anchor a opens a block [x_a, MASK, ..., MASK] whose slot k predicts
+x_{a+k}, seeing the target features of positions < a only; all blocks of a sequence run in one pass
+(`training_mask`). Cross-entropy on assistant tokens, weighted by w_k = exp(-(k-1)/gamma) and
+normalised by the weights present. DSpark and DCOCO build on it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...drafters.dflash import DFlashModel, shortlist, training_mask
+from ...errors import ConfigError
+from ..acceptance import acceptance_from_predictions
+from ..batch import Batch, make_batch, position_weights
+
+
+class DrafterLoss:
+    """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
+
+    def __init__(
+        self, model: DFlashModel, embed, lm_head, gamma: float, split: Optional[int] = None, head=None
+    ) -> None:
+        """`split`: the drafter's feature columns (None: all); `head` (`TargetHead`) reads the last
+        layer's columns after them, for the T=1 figures (`slot_acceptance`)."""
+        self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.gamma = gamma
+        self.split, self.head = split, head
+        self.weights = position_weights(model.cfg.block_size, gamma)
+
+    def drafter_features(self, b: Batch) -> Batch:
+        """`b` with only the drafter's feature columns (the last layer's feed p_target, not the drafter)."""
+        if self.split is None or b.feats.shape[-1] == self.split:
+            return b
+        return Batch(b.ids, b.feats[..., : self.split], b.anchors, b.labels)
+
+    def hidden(self, b: Batch) -> torch.Tensor:
+        """Block hidden states (S, A, B, H)."""
+        cfg = self.model.cfg
+        S, A = b.anchors.shape
+        B, T = cfg.block_size, b.ids.shape[1]
+        anc = b.anchors.clamp(min=0)
+        block = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long)
+        block[:, :, 0] = b.ids.gather(1, anc)
+        positions = (anc.unsqueeze(2) + torch.arange(B)).view(S, A * B)
+        ctx_pos = torch.arange(T).unsqueeze(0).expand(S, T)
+        with torch.no_grad():
+            emb = self.embed(block.view(S, A * B))
+        kv = self.model.context_kv(b.feats.to(emb.dtype), ctx_pos)
+        mask = training_mask(b.anchors, T, B)
+        h = self.model(emb, positions, kv, mask)
+        return h.view(S, A, B, -1)
+
+    def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
+        h = self.hidden(self.drafter_features(b))
+        logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
+        return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
+
+    def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
+        """Blocks at the given anchor positions of each sample."""
+        return make_batch(samples, feats, anchors, self.model.cfg.block_size)
+
+    def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
+        """Greedy drafts (S, A, P) as inference makes them, by eval-metric suffix ("" = the method's own)."""
+        return {"": self.draft_argmax(extras["logits"])}
+
+    def eval_metrics(self, extras: dict, labels: torch.Tensor) -> dict:
+        tau, pp = acceptance_from_predictions(self.predictions(extras)[""], labels)
+        return {"eval_tau": tau, "eval_per_position": pp}
+
+    def target_probs(self, b: Batch, P: int) -> torch.Tensor:
+        """The target's own T=1 distribution (S, A, P, V) of each slot's token, from the last layer."""
+        if self.head is None or self.split is None or b.feats.shape[-1] == self.split:
+            raise ConfigError("T=1 acceptance needs the target's last layer in the data (`dcoco data regenerate`)")
+        return self.head.next_token_probs(b, self.split, P)
+
+    def slot_acceptance(self, b: Batch, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per slot, the probability that T=1 verification accepts the draft, teacher-forced on the
+        data: sum_x min(p(x), q(x)) with q what drafting samples the slot from (the draft logits'
+        softmax over the draft vocabulary). Returns it (S, A, P) and which slots have a label."""
+        logits = extras["logits"]
+        P = logits.shape[2]
+        q = torch.softmax(self.model.restrict_to_draft_vocab(logits.float()), -1)
+        return torch.minimum(self.target_probs(b, P), q).sum(-1), b.labels[..., :P] != -100
+
+    def draft_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts as inference makes them: within the draft vocabulary when there is one."""
+        return shortlist(logits, 1, self.model.draft_ids)[1].squeeze(-1)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        V = logits.shape[-1]
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100, reduction="none")
+        ce = ce.view(labels.shape)
+        w = self.weights.view(1, 1, -1) * (labels != -100)
+        return (ce * w).sum() / w.sum().clamp_min(1e-6)

@@ -1,0 +1,39 @@
+"""The target's own next-token distribution, recomputed from its last-layer feature (tap L, before
+the final norm) with its frozen final norm and LM head: what distribution-matching losses (DSpark,
+EAGLE-3, DCOCO's L1 term) and the T=1 evaluation compare the draft with."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import Batch
+
+
+class TargetHead:
+    """The target's own final norm and LM head, frozen: logits of last-layer features."""
+
+    def __init__(self, target):
+        inner = getattr(target.model, "model", None) or target.model.base_model
+        self.norm = inner.norm
+        self.lm_head = target.model.get_output_embeddings()
+        self.dtype = self.lm_head.weight.dtype
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 logits (..., V) of features h (..., H), or only the vocabulary rows `rows`."""
+        x = self.norm(h.to(self.dtype))
+        w = self.lm_head.weight if rows is None else self.lm_head.weight[rows]
+        return F.linear(x, w).float()
+
+    def next_token_probs(self, b: Batch, split: int, P: int) -> torch.Tensor:
+        """p_target (S, A, P, V) at temperature 1 of x_{a+1+j} (j < P) for every anchor a of `b`: from
+        the last-layer feature of token a + j (the feature columns from `split` on)."""
+        S, A = b.anchors.shape
+        T = b.feats.shape[1]
+        last = b.feats[..., split:]
+        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P, 1)
+        h = last.gather(1, idx.expand(-1, -1, last.shape[-1])).view(S, A, P, -1)
+        return torch.softmax(self.logits(h), dim=-1)
