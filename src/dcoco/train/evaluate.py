@@ -211,9 +211,9 @@ def evaluate_checkpoint(
 def eval_markdown(result: dict) -> str:
     """A short table of `evaluate_checkpoint`'s result."""
     L = [
-        f"# Held-out τ of `{result['checkpoint']}` ({result['method']})",
+        f"# τ of `{result['checkpoint']}` ({result['method']})",
         "",
-        f"{result['samples']} samples ({result['split']}).",
+        f"{result['samples']} samples ({'the hold-out' if result['split'] == 'heldout' else 'all'} of the data).",
         "",
         "| T | τ | per-slot acceptance |",
         "|---|---:|---|",
