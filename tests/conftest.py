@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dcoco.drafters.base import Drafter, DraftInput, DraftOutput, pad_rows
+from dcoco.drafters.base import Drafter, DraftInput, DraftOutput
+from dcoco.kv import pad_rows
 from dcoco.target import Target
 
 TINY = dict(

@@ -18,6 +18,7 @@ import torch
 
 from .drafters.base import Drafter, DraftInput, DraftOutput
 from .errors import InvalidPromptError
+from .kv import pad_rows
 from .metrics import SpecStats
 from .sampling import SamplingParams, make_generator, token_logprobs
 from .target import Target
@@ -201,7 +202,7 @@ class SpeculativeEngine:
     def _logprobs(self, logits: torch.Tensor, emitted: list[list[int]], reqs: list[Request]) -> list[list[float]]:
         """log p of the tokens each row emits: token j of a row was chosen at logit position j."""
         width = max(len(e) for e in emitted)
-        tokens = torch.tensor([e + [0] * (width - len(e)) for e in emitted], dtype=torch.long, device=logits.device)
+        tokens, _ = pad_rows(emitted, width, logits.device)
         lp = token_logprobs(logits[:, :width], tokens, [r.params for r in reqs]).tolist()
         return [row[: len(e)] for row, e in zip(lp, emitted)]
 

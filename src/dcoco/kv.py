@@ -14,10 +14,20 @@ re-concatenating the whole cache as `DynamicLayer` does.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], width: int, device: Optional[torch.device] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ragged token lists into (B, width) (zero-padded) plus their lengths, on `device`."""
+    rows = [[int(t) for t in r][:width] for r in rows]
+    out = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+    return out.view(len(rows), width), lens
 
 
 class GrowingLayer(DynamicLayer):

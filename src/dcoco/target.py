@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .errors import InvalidPromptError, ModelNotFoundError, PromptTooLongError
-from .kv import KVBatch
+from .kv import KVBatch, pad_rows
 from .nn.prepack import prepack_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,9 +216,7 @@ class Target:
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[KVBatch, ForwardOutput]:
         """A new batch holding `prompts` (right-padded); returns last-token logits (B, V) and the
         features of every prompt token (B, Lmax, F) (rows past their length are padding)."""
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        L = max(len(p) for p in prompts)
-        tokens = torch.tensor([list(p) + [0] * (L - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        tokens, lens = pad_rows(prompts, max(len(p) for p in prompts), self.device)
         kv = self.new_batch()
         out = self.forward(kv, tokens, lens, logits_at=(lens - 1).unsqueeze(1))
         kv.commit(lens)

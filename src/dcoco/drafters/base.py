@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -83,13 +83,3 @@ def check_feature_drafter(target, vocab_size: int, hidden_size: int, num_target_
         raise DrafterMismatchError(
             f"drafter was made for a {num_target_layers}-layer target, this target has {target.num_layers} layers"
         )
-
-
-def pad_rows(
-    rows: Sequence[Sequence[int]], width: int, device: Optional[torch.device] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ragged token lists into (B, width) (zero-padded) plus their lengths, on `device`."""
-    rows = [[int(t) for t in r][:width] for r in rows]
-    out = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
-    return out.view(len(rows), width), lens

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import Drafter, DraftInput, DraftOutput, pad_rows
+from ..kv import pad_rows
+from .base import Drafter, DraftInput, DraftOutput
 
 
 def lookup(seq: np.ndarray, num_tokens: int, max_n: int, min_n: int) -> list[int]:

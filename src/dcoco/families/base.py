@@ -12,7 +12,7 @@ import torch
 from pydantic import BaseModel
 
 from ..drafters.base import Drafter
-from ..errors import ConfigError, ModelNotFoundError
+from ..errors import ModelNotFoundError
 
 
 def narrowed(settings: BaseModel, cls: type[BaseModel]) -> BaseModel:
@@ -47,7 +47,6 @@ class Family:
     """A drafter family. Model-free families override `make_drafter` only."""
 
     name: str = ""
-    summary: str = ""
     trained: bool = True
     #: the family's own subsection of the training config's `drafter` section (None: it has none)
     settings: Optional[type[BaseModel]] = None
@@ -119,9 +118,3 @@ class Family:
 
     def build_loss(self, model: torch.nn.Module, parts: LossParts, d):
         raise NotImplementedError
-
-    def section(self, d) -> BaseModel:
-        """The family's own settings within the `drafter` section."""
-        if self.settings is None:
-            raise ConfigError(f"method {self.name} has no drafter settings")
-        return getattr(d, self.name)

@@ -31,7 +31,6 @@ class DCOCOSettings(DCOCOConfig):
 
 class DCOCOFamily(DFlashFamily):
     name = "dcoco"
-    summary = "DFlash Contextual Corrector: top-K candidates per slot, neighbouring pairs rescored"
     drafter_class = DCOCODrafter
     model_class = DCOCOModel
     settings = DCOCOSettings

@@ -17,7 +17,6 @@ from .base import Family, LossParts, ModelSource
 
 class DFlashFamily(Family):
     name = "dflash"
-    summary = "parallel block drafter on the target's hidden states (DFlash)"
     drafter_class = BlockDrafter
     model_class = DFlashModel
 

@@ -29,7 +29,6 @@ class DSparkSettings(DSparkConfig):
 
 class DSparkFamily(DFlashFamily):
     name = "dspark"
-    summary = "DFlash block pass plus a Markov head on the previous token and a confidence head (DSpark)"
     drafter_class = DSparkDrafter
     model_class = DSparkModel
     settings = DSparkSettings

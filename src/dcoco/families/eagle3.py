@@ -38,7 +38,6 @@ class Eagle3Settings(BaseModel):
 
 class Eagle3Family(Family):
     name = "eagle3"
-    summary = "one autoregressive decoder layer on fused target features, training-time test (EAGLE-3)"
     settings = Eagle3Settings
     drafter_class = Eagle3Drafter
     model_class = Eagle3Model

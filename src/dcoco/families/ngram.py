@@ -9,7 +9,6 @@ from .base import Family
 
 class NgramFamily(Family):
     name = "ngram"
-    summary = "prompt lookup: continues the latest earlier occurrence of the last n tokens"
     trained = False
 
     def make_drafter(self, spec, target) -> NgramDrafter:

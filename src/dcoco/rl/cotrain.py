@@ -27,6 +27,7 @@ from ..families import LossParts, ModelSource, build_model, get_family, shipped_
 from ..target import Target
 from ..train.batch import loss_batch
 from ..train.losses import TargetHead
+from ..train.trainer import drafter_optimizer
 from .config import DraftSection
 
 
@@ -87,13 +88,7 @@ class DraftCoTrainer:
         self.feature_taps = self.taps + ([target.num_layers] if self.family.reads_last_layer(cfg.arch) else [])
         self.loss = build_draft_loss(cfg, self.model, target)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.ndim >= 2]
-        no_decay = [p for p in self.params if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
+        self.opt = drafter_optimizer(self.model, cfg.lr, cfg.weight_decay)
 
     def backward(self, samples: list[dict], feats: list[torch.Tensor], gen: torch.Generator) -> dict:
         """lambda * L_draft on this step's rollouts, backpropagated into the draft only. A frozen draft

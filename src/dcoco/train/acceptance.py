@@ -20,28 +20,15 @@ def acceptance_from_predictions(pred: torch.Tensor, labels: torch.Tensor) -> tup
     return 1.0 + acc.sum(-1).float().mean().item(), acc.float().mean(0).tolist()
 
 
-def decode_acceptance(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[int, int]:
-    """(verification passes, tokens) of greedy decoding over one answer, from drafts (A, P) and labels
-    (A, P) at each of its anchor positions in order, the last one's label being the answer's last
-    token: each block opens where the previous one ended (anchor + accepted + 1), drafts k tokens and
-    yields its accepted prefix plus the target's token, which must be one of the answer's."""
+def decode_acceptance_per_slot(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[int, list[int]]:
+    """The verification passes of greedy decoding over one answer and, per draft slot j < k, how many
+    of them accepted slot j, from drafts (A, P) and labels (A, P) at each of its anchor positions in
+    order, the last one's label being the answer's last token: each block opens where the previous
+    one ended (anchor + accepted + 1) and drafts k tokens."""
     accepted = accepted_prefix(pred[:, :k], labels[:, :k]).sum(-1).tolist()
-    a = passes = tokens = 0
+    a, passes, per_slot = 0, 0, [0] * k
     while a < len(accepted):
         n = min(accepted[a], len(accepted) - a - 1)
-        passes += 1
-        tokens += n + 1
-        a += n + 1
-    return passes, tokens
-
-
-def decode_acceptance_per_slot(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[int, list[int]]:
-    """The blocks greedy decoding opens over one answer (as `decode_acceptance`) and, per draft slot
-    j < k, how many of them accepted slot j."""
-    acc = accepted_prefix(pred[:, :k], labels[:, :k])
-    a, passes, per_slot = 0, 0, [0] * k
-    while a < acc.shape[0]:
-        n = min(int(acc[a].sum()), acc.shape[0] - a - 1)
         passes += 1
         for j in range(n):
             per_slot[j] += 1
@@ -58,3 +45,10 @@ def expected_acceptance(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[float
     if reach.numel() == 0:
         return 1.0, []
     return 1.0 + reach.sum(-1).mean().item(), reach.mean(0).tolist()
+
+
+def decode_acceptance(pred: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[int, int]:
+    """(verification passes, tokens) of greedy decoding over one answer (`decode_acceptance_per_slot`):
+    each pass yields its accepted prefix plus the target's own token."""
+    passes, per_slot = decode_acceptance_per_slot(pred, labels, k)
+    return passes, passes + sum(per_slot)

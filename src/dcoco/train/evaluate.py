@@ -80,14 +80,15 @@ class Evaluator:
             rows.append({"eval_loss": loss.item(), **self.loss.eval_metrics(extras, b.labels)})
         return _mean_rows(rows) if rows else {}
 
-    def _each_block(self, chunk: int, desc: str):
-        """(sample's batch at every response anchor, chunk by chunk, and the loss's extras)."""
+    def _each_sample(self, chunk: int, desc: str):
+        """Per sample, lazily, its blocks at every response anchor, `chunk` anchors at a time: (batch,
+        the loss's extras). Consumed chunk by chunk, so only one chunk's logits are alive at a time."""
         for smp in self._bar(self.samples, desc):
             anchors = list(range(smp["prompt_len"], len(smp["input_ids"]) - 1))
             if not anchors:
                 continue
             feats = self.features([smp])
-            yield [self._run(smp, feats, anchors[i : i + chunk]) for i in range(0, len(anchors), chunk)]
+            yield (self._run(smp, feats, anchors[i : i + chunk]) for i in range(0, len(anchors), chunk))
 
     def _run(self, smp: dict, feats, anchors: list[int]):
         b = self.loss.batch_at([smp], feats, [anchors])
@@ -102,12 +103,14 @@ class Evaluator:
         if k is None:
             k = self.model.cfg.num_speculative_tokens or self.model.max_draft  # at most the drafts' width
         totals: dict[str, list] = {}
-        for parts in self._each_block(chunk, "eval T=0"):
+        for parts in self._each_sample(chunk, "eval T=0"):
             preds: dict[str, list[torch.Tensor]] = {}
-            for _, extras in parts:
+            labels = []
+            for b, extras in parts:
                 for key, p in self.loss.predictions(extras).items():
                     preds.setdefault(key, []).append(p[0])
-            labels = torch.cat([b.labels[0] for b, _ in parts])
+                labels.append(b.labels[0])
+            labels = torch.cat(labels)
             for key, p in preds.items():
                 kk = min(k, labels.shape[-1])
                 passes, per_slot = decode_acceptance_per_slot(torch.cat(p), labels, kk)
@@ -125,9 +128,10 @@ class Evaluator:
     def sampled(self, chunk: int = 16) -> dict:
         """Expected τ and per-slot acceptance at T=1 over every response position."""
         alphas, valids = [], []
-        for parts in self._each_block(chunk, "eval T=1"):
+        for parts in self._each_sample(chunk, "eval T=1"):
             for b, extras in parts:
-                a, v = self.loss.slot_acceptance(b, extras)
+                with self.autocast():  # EAGLE-3 runs its draft head here, as in its loss
+                    a, v = self.loss.slot_acceptance(b, extras)
                 alphas.append(a.reshape(-1, a.shape[-1]).float().cpu())
                 valids.append(v.reshape(-1, v.shape[-1]).cpu())
         if not alphas:
@@ -175,9 +179,9 @@ def evaluate_checkpoint(
     _ = data.manifest  # a missing or mismatched directory fails before the target loads
     target = Target.from_pretrained(model, dtype=dtype, device=device)
     drafter = drafter.to(target.device).eval()
-    last = 1.0 in temperatures or family.reads_last_layer(DrafterSection())
-    features = FeatureSource(target, data, drafter.cfg.taps, last, online=not data.has_features)
     d = family.settings_from_checkpoint(raw, DrafterSection())
+    last = 1.0 in temperatures or family.reads_last_layer(d)
+    features = FeatureSource(target, data, drafter.cfg.taps, last, online=not data.has_features)
     for p in target.model.parameters():
         p.requires_grad_(False)
     head = None

@@ -34,6 +34,19 @@ from .losses import TargetHead
 from .runstate import append_log, save_state, truncate_log
 
 
+def drafter_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, weight decay on matrices only (not norms and biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, target, data: RegeneratedUnion):
         self.cfg = cfg
@@ -70,14 +83,7 @@ class Trainer:
         with torch.device(self.device):
             self.loss = self.family.build_loss(self.model, parts, d)
         self.evaluator = Evaluator(self.loss, self.features, self.eval_samples, cfg.data.max_length, self.autocast)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr,
-            betas=(0.9, 0.95),
-        )
+        self.opt = drafter_optimizer(self.model, o.lr, o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
         self.step = 0
         self.gen = torch.Generator().manual_seed(o.seed)

@@ -84,17 +84,17 @@ class DCOCOLoss(DrafterLoss):
             "metrics": m,
         }
 
-    def slot_acceptance(self, b: Batch, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def acceptance_given(self, p: torch.Tensor, extras: dict) -> torch.Tensor:
         """T=1 acceptance per slot (as `DrafterLoss.slot_acceptance`) of the configured T > 0 walk,
         each slot conditioned on the data's previous token: the one-hot corrected pick, the sampled
         walk over the shortlist, or the draft vocabulary with the shortlist rescored. Where that
         token is off the previous shortlist the walk has no row for it, and the slot keeps the
         backbone's own distribution (the vocabulary walk's rule; an approximation for the others)."""
-        alpha, valid = super().slot_acceptance(b, extras)
+        alpha = super().acceptance_given(p, extras)  # the backbone's own distributions
         logits = extras["logits"]
         S, A, P, V = logits.shape
         n, lead = S * A, self.model.lead
-        p = self.target_probs(b, P).reshape(n, P, V)
+        p = p.reshape(n, P, V)
         ids, labels = extras["ids"], extras["walk_labels"]  # over the walk's positions (lead + P)
         hit = ids == labels.unsqueeze(-1)
         listed = hit.any(-1)[:, :-1]  # the data's token at walk position w is on w's shortlist
@@ -120,7 +120,7 @@ class DCOCOLoss(DrafterLoss):
                 out[:, 0] = torch.minimum(p[:, 0].gather(1, ids[:, 0]), first).sum(-1)
             elif not dcfg.vocab_walk:
                 out[:, 0] = p[:, 0].gather(1, ids[:, 0, :1]).squeeze(-1)
-        return out.reshape(S, A, P), valid
+        return out.reshape(S, A, P)
 
     def corrector_loss(self, ids: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor):
         """Cross-entropy of S_p(a*, .) towards b*; also returns a*'s shortlist index (n, P-1) and

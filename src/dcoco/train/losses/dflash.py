@@ -79,10 +79,13 @@ class DrafterLoss:
         """Per slot, the probability that T=1 verification accepts the draft, teacher-forced on the
         data: sum_x min(p(x), q(x)) with q what drafting samples the slot from (the draft logits'
         softmax over the draft vocabulary). Returns it (S, A, P) and which slots have a label."""
-        logits = extras["logits"]
-        P = logits.shape[2]
-        q = torch.softmax(self.model.restrict_to_draft_vocab(logits.float()), -1)
-        return torch.minimum(self.target_probs(b, P), q).sum(-1), b.labels[..., :P] != -100
+        P = extras["logits"].shape[2]
+        return self.acceptance_given(self.target_probs(b, P), extras), b.labels[..., :P] != -100
+
+    def acceptance_given(self, p: torch.Tensor, extras: dict) -> torch.Tensor:
+        """`slot_acceptance` given the target's distributions p (S, A, P, V) of the slots."""
+        q = torch.softmax(self.model.restrict_to_draft_vocab(extras["logits"].float()), -1)
+        return torch.minimum(p, q).sum(-1)
 
     def draft_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy drafts as inference makes them: within the draft vocabulary when there is one."""

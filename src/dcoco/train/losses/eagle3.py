@@ -140,16 +140,8 @@ class Eagle3Loss:
         loss = outs[0].sum() * 0.0  # stays a graph node when no slot has a target
         m: dict = {}
         drafts = []
-        accept = torch.zeros(b.labels.shape) if not model.training else None  # T=1 acceptance, for evaluation
         for j, h in enumerate(outs):
             nxt = b.labels[..., j]  # the token step j predicts; its target distribution sits one slot before it
-            if accept is not None and (nxt >= 0).any():
-                with torch.no_grad():
-                    lab = nxt >= 0
-                    bi, ui = bidx[lab], (start + 1 + j)[lab]
-                    p = torch.softmax(self.head.logits(last[bi, ui]), dim=-1)[:, rows]  # the whole vocabulary's p
-                    q = torch.softmax(model.logits(h[lab]).float(), dim=-1)
-                    accept[..., j][lab] = torch.minimum(p, q).sum(-1)
             valid = (nxt >= 0) & model.t2d[nxt.clamp(min=0)]
             draft = torch.full_like(nxt, -1)  # -1: no draft this step could match (token outside the draft vocabulary)
             if valid.any():
@@ -164,12 +156,26 @@ class Eagle3Loss:
                 m[f"ttt_loss_{j}"] = ce.item()
                 m[f"ttt_acc_{j}"] = (draft[valid] == nxt[valid]).float().mean().item()
             drafts.append(draft)
-        return loss, {"drafts": torch.stack(drafts, -1), "accept": accept, "metrics": m}
+        return loss, {"drafts": torch.stack(drafts, -1), "outs": outs, "metrics": m}
 
+    @torch.no_grad()
     def slot_acceptance(self, b: Eagle3Batch, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per chain step, the probability that T=1 verification accepts it, teacher-forced on the
-        data: sum_x min(p(x), q(x)) over the draft vocabulary (evaluation batches only)."""
-        return extras["accept"], b.labels >= 0
+        data: sum_x min(p(x), q(x)) over the draft vocabulary, p the target's distribution over the
+        whole vocabulary (not renormalised to the draft one, as the loss's is)."""
+        S, T = b.ids.shape
+        start = torch.arange(T).unsqueeze(0).expand(S, T) if b.slots is None else b.slots.clamp(min=0)
+        bidx = torch.arange(S).unsqueeze(1).expand_as(start)
+        last, rows = b.feats[..., self.split :], self.model.draft_to_target
+        accept = torch.zeros(b.labels.shape)
+        for j, h in enumerate(extras["outs"]):
+            lab = b.labels[..., j] >= 0
+            if lab.any():
+                bi, ui = bidx[lab], (start + 1 + j)[lab]
+                p = torch.softmax(self.head.logits(last[bi, ui]), dim=-1)[:, rows]
+                q = torch.softmax(self.model.logits(h[lab]).float(), dim=-1)
+                accept[..., j][lab] = torch.minimum(p, q).sum(-1)
+        return accept, b.labels >= 0
 
     def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
         """Greedy chain drafts (S, A, steps), teacher-forced on the tokens: up to a chain's first miss
