@@ -23,6 +23,7 @@ from .nn.attention import register as register_packed_gqa
 from .nn.prepack import prepack_linears
 
 BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA)  # read our boolean 4-D masks as they are
+CAUSAL_SKIP = ("sdpa", PACKED_GQA)  # without a mask, causal from position 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -199,8 +200,13 @@ class Target:
         just the last real token of each row, and the LM head is a large share of a small model's cost.
         """
         tokens = tokens.to(self.device)
+        fresh = kv.num_slots == 0
         position_ids, mask = kv.begin(num_tokens, tokens.shape[1], self.sliding_window)
-        if self.config._attn_implementation not in BOOL_MASK_ATTENTION:
+        if fresh and self.sliding_window is None and self.config._attn_implementation in CAUSAL_SKIP:
+            # prefill into an empty cache: rows are right-padded, so plain causal attention is exact
+            # for every real token, and SDPA then skips the masked half instead of reading a mask
+            mask = None
+        if mask is not None and self.config._attn_implementation not in BOOL_MASK_ATTENTION:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min
             )
