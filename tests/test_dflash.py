@@ -463,6 +463,59 @@ def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_
     assert (tmp_path / "t" / "drafter" / "model.safetensors").exists()
 
 
+def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
+    """`dcoco data pack` keeps every sample's ids, prompt length and ending in 2 bytes per token;
+    packing again appends only new samples as a new chunk (committed chunks never change); other
+    sampling settings are refused; training reads the packed directory with online features."""
+    from dcoco.train.data import RegeneratedUnion
+    from dcoco.train.packed import PackedData, pack
+
+    target, root = tiny_data
+    first = tmp_path / "first"
+    samples = RegeneratedData(root).samples()
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples]
+    taps = RegeneratedData(root).manifest["taps"]
+    regen = dict(taps=taps, sampling=SamplingParams(max_tokens=24), progress=False, features=False)
+    regenerate(target, prompts, first, num_samples=25, **regen)
+    out = tmp_path / "packed"
+    m = pack([first], out)
+    assert len(m["chunks"]) == 1 and m["totals"]["samples"] == 25
+    chunk0 = (out / "chunk-00000.safetensors").read_bytes()
+    regenerate(target, prompts, first, num_samples=40, **regen)  # the regeneration goes on
+    m = pack([first], out)
+    assert [c["samples"] for c in m["chunks"]] == [25, 15] and (out / "chunk-00000.safetensors").read_bytes() == chunk0
+    assert pack([first], out)["chunks"] == m["chunks"]  # nothing new: nothing appended
+    PackedData(out).verify()
+    got = {s["id"]: s for s in PackedData(out).samples()}
+    want = {s["id"]: s for s in RegeneratedData(first).samples()}
+    assert got.keys() == want.keys()
+    for k, s in want.items():
+        assert got[k]["input_ids"] == s["input_ids"] and got[k]["prompt_len"] == s["prompt_len"]
+        assert got[k]["finish_reason"] == s["finish_reason"]
+    assert m["totals"]["prompt_tokens"] + m["totals"]["response_tokens"] == sum(
+        len(s["input_ids"]) for s in want.values()
+    )
+    hot = tmp_path / "hot"
+    regenerate(
+        target, prompts[:2], hot, num_samples=2, **{**regen, "sampling": SamplingParams(temperature=1.0, max_tokens=24)}
+    )
+    with pytest.raises(ConfigError, match="temperature"):
+        pack([hot], out)
+    (out / "chunk-00001.safetensors").write_bytes(b"changed")
+    with pytest.raises(ConfigError, match="sha256"):
+        PackedData(out).verify()
+    (out / "chunk-00001.safetensors").unlink()
+    pack([first], tmp_path / "again")
+    tr = Trainer(
+        _cfg(str(tmp_path / "again"), tmp_path / "t", **{"optim.steps": 2, "data.features": "online"}),
+        target,
+        RegeneratedUnion([tmp_path / "again"]),
+    )
+    tr.run(progress=False)
+    with pytest.raises(ConfigError, match="data.features=online"):
+        Trainer(_cfg(str(tmp_path / "again"), tmp_path / "s"), target, RegeneratedUnion([tmp_path / "again"]))
+
+
 def test_time_budget_sets_the_steps_and_survives_resume(tiny_data, tmp_path):
     import json
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -163,10 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--shuffle-seed", type=int, default=None, help="random order from this seed (default: file order)")
     pr.add_argument("--limit", type=int, default=None, help="at most N prompts")
+    pk = dsub.add_parser(
+        "pack",
+        help="pack the token ids of regenerated directories compactly (2 bytes per token), to commit and share",
+    )
+    pk.add_argument("sources", nargs="+", metavar="DIR", help="regenerated data directories (same sampling settings)")
+    pk.add_argument("--out", required=True, help="packed directory (created; packing again appends new samples)")
     rg = dsub.add_parser("regenerate", help="answer prompts with the target; resumable and incremental")
     rg.add_argument("--out", required=True, help="data directory (created; a rerun resumes and extends it)")
     rg.add_argument("--source", default="sharegpt", help="'sharegpt' (the training split) or a ShareGPT-format .jsonl")
     rg.add_argument("--num-samples", type=int, required=True, help="total samples wanted in --out")
+    rg.add_argument(
+        "--turns",
+        choices=("first", "all"),
+        default="first",
+        help="ShareGPT prompts: each record's first user turn, or every user turn with the conversation before it",
+    )
     rg.add_argument(
         "--from-end",
         action="store_true",
@@ -428,6 +441,15 @@ def _parse_shard(spec: str) -> tuple[int, int]:
 def cmd_data(args) -> int:
     if args.data_command == "prompts":
         return cmd_data_prompts(args)
+    if args.data_command == "pack":
+        from .train.packed import pack
+
+        t = pack(args.sources, args.out).get("totals", {})
+        print(
+            f"{args.out}: {t.get('samples', 0)} samples, {t.get('response_tokens', 0)} response tokens "
+            f"({t.get('prompt_tokens', 0)} prompt tokens)"
+        )
+        return 0
     from .drafters.dflash import default_target_layer_ids
     from .sampling import SamplingParams
     from .target import Target
@@ -435,7 +457,7 @@ def cmd_data(args) -> int:
 
     shard = _parse_shard(args.shard) if args.shard is not None else None
     if args.source == "sharegpt":
-        prompts = sharegpt_train_prompts()
+        prompts = sharegpt_train_prompts(args.turns)
     elif args.source.endswith(".jsonl") and Path(args.source).is_file():
         prompts = jsonl_conversation_prompts(args.source)
     else:
@@ -466,6 +488,7 @@ def cmd_data(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         source=args.source + (" (from the end)" if args.from_end else ""),
         features=not args.no_features,
+        command=shlex.join(["dcoco", *sys.argv[1:]]),
     )
     return 0
 

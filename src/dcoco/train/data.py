@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Literal, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -41,6 +41,7 @@ from ..drafters.base import Drafter, DraftInput, DraftOutput
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..sampling import SamplingParams
+from .packed import PackedData, is_packed
 
 
 class FeatureRecorder(Drafter):
@@ -125,11 +126,11 @@ class RegeneratedData:
 
 
 class RegeneratedUnion:
-    """Several regenerated-data directories read as one training set: e.g. two regeneration
-    processes run side by side on disjoint prompt lists (one per CPU core), or the target's answers
-    to the same prompts at another temperature. They must come from the same target, taps and
-    dtype (with or without stored features); a sample id present twice under the same sampling
-    settings is read once."""
+    """Several regenerated-data directories read as one training set (each regenerated, or packed:
+    `dcoco.train.packed`): e.g. two regeneration processes run side by side on disjoint prompt lists,
+    or the target's answers to the same prompts at another temperature. They must come from the same
+    target, taps and dtype (with or without stored features); a sample id present twice under the
+    same sampling settings is read once."""
 
     MUST_MATCH = ("target_vocab_size", "target_hidden_size", "target_num_layers", "taps", "tap_convention", "dtype")
 
@@ -137,7 +138,7 @@ class RegeneratedUnion:
         roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
         if not roots:
             raise ConfigError("data.path names no directory")
-        self.parts = [RegeneratedData(r) for r in roots]
+        self.parts = [PackedData(r) if is_packed(r) else RegeneratedData(r) for r in roots]
         self.root = ", ".join(str(p.root) for p in self.parts)
 
     @property
@@ -171,6 +172,9 @@ class RegeneratedUnion:
         return self.parts[sample.get("part", 0)].features(sample)
 
 
+INFORMATIONAL = ("source", "command")  # manifest fields a resumed run may change
+
+
 def regenerate(
     target,
     prompts: Iterable[Prompt],
@@ -184,6 +188,7 @@ def regenerate(
     source: str = "",
     progress: bool = True,
     features: bool = True,
+    command: str = "",
 ) -> RegeneratedData:
     """Answer up to `num_samples` prompts with the target, resuming what a previous run finished;
     with `features=False` keep only the tokens (for online training)."""
@@ -202,10 +207,11 @@ def regenerate(
         "dtype": str(target.dtype).replace("torch.", ""),
         "source": source,
         "features": features,
+        "command": command,
     }
     if data.manifest_path.exists():
         old = data.manifest
-        diff = {k: (old.get(k), v) for k, v in manifest.items() if k != "source" and old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in manifest.items() if k not in INFORMATIONAL and old.get(k) != v}
         if diff:
             raise ConfigError(f"{out} was generated with other settings: {diff}")
     else:
@@ -216,7 +222,7 @@ def regenerate(
     done = _read_lines(data.samples_path, repair=True)
     data.clean_orphans(done)
     done_ids = {s["id"] for s in done}
-    next_shard = max((s["shard"] for s in done), default=-1) + 1
+    next_shard = max((s["shard"] for s in done if s.get("shard") is not None), default=-1) + 1
     todo = num_samples - len(done)
     if todo <= 0:
         return data
@@ -314,15 +320,24 @@ def _fresh_prompts(
         yield p, ids
 
 
-def sharegpt_train_prompts() -> Iterator[Prompt]:
-    """First user turns of the ShareGPT *training* split (see `dcoco.datasets.sharegpt_split`), in
-    file order. Evaluation-split records never reach training."""
+def sharegpt_train_prompts(turns: Literal["first", "all"] = "first") -> Iterator[Prompt]:
+    """Prompts of the ShareGPT *training* split (see `dcoco.datasets.sharegpt_split`), in file order:
+    each record's first user turn, or with `turns="all"` every user turn, each with the conversation
+    before it (the record's own earlier turns) as context. A record's first turn keeps the record's
+    id, turn i of the conversation is `id:i`. Evaluation-split records never reach training."""
     from ..datasets import first_user_turn, sharegpt_records
 
     for r in sharegpt_records("train"):
-        text = first_user_turn(r["conversations"])
+        conv = r["conversations"]
+        text = first_user_turn(conv)
         if text is not None:
             yield Prompt(id=r["id"], messages=[{"role": "user", "content": text}])
+        if turns == "first":
+            continue
+        for i in range(1, len(conv)):
+            t = conv[i]
+            if t["role"] == "user" and isinstance(t["content"], str) and t["content"].strip():
+                yield Prompt(id=f"{r['id']}:{i}", messages=[dict(m) for m in conv[: i + 1]])
 
 
 def jsonl_conversation_prompts(path: str | Path) -> Iterator[Prompt]:
