@@ -530,3 +530,39 @@ def test_time_budget_sets_the_steps_and_survives_resume(tiny_data, tmp_path):
     assert cfg["optim"]["steps"] == fixed[0]  # the provenance says how to repeat it: optim.steps=N
     again = Trainer(_cfg(root, tmp_path / "r", **over), target, RegeneratedData(root))
     assert again.cfg.optim.steps == fixed[0] and again.budget_fixed
+
+
+@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+def test_drafter_overfits_every_slot_of_a_few_samples(tiny_data, tmp_path, method):
+    """The pipeline can learn every drafted slot, not only the first: trained on 8 answers, the drafter
+    drafts them back as decoding would walk them (blocks opened where the last one ended), nearly all
+    of every block accepted (the small version of the 100-answer experiment in docs/experiments)."""
+    from dcoco.train.evaluate import Evaluator
+
+    target, root = tiny_data
+    few = tmp_path / "few"
+    samples = RegeneratedData(root).samples()[:8]
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples]
+    taps = RegeneratedData(root).manifest["taps"]
+    regenerate(target, prompts, few, num_samples=8, taps=taps, sampling=SamplingParams(max_tokens=24), progress=False)
+    over = {
+        "method": method,
+        "optim.steps": 150,
+        "optim.batch_size": 8,
+        "optim.anchors_per_seq": 32,
+        "optim.lr": 1e-2,
+        "optim.warmup_steps": 10,
+        "optim.weight_decay": 0.0,
+        "data.eval_permille": 0,
+        "run.eval_every": 1000,
+        "run.flops_every": 0,
+        "drafter.draft_vocab_size": 100000,
+    }
+    if method == "dcoco":  # DCOCO trained jointly, a corrector sized for the tiny target
+        over.update({"drafter.dcoco.proj_dim": 16, "drafter.dcoco.hidden": 32, "drafter.dcoco.top_k": 4})
+    tr = Trainer(_cfg(few, tmp_path / "run", **over), target, RegeneratedData(few))
+    tr.run(progress=False)
+    tr.model.eval()
+    got = Evaluator(tr.loss, tr.features, tr.train_samples, 1024).decoded(k=5)
+    # at most 6 (5 drafts + the bonus token); a sample's last block is cut short by its end
+    assert got["eval_tau_decode"] >= 5.4, got

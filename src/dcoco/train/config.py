@@ -84,6 +84,7 @@ class RunSection(_Section):
     out: str = "runs/dflash-smollm2"
     checkpoint_every: int = 100
     eval_every: int = 250
+    flops_every: int = 10  # count the matmul FLOPs of every N-th step (logs gflop, tflops); 0: never
 
 
 def check_trained_method(v: str) -> str:

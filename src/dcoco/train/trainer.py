@@ -4,7 +4,9 @@ from the family registry: the model (`Family.build_model`), the loss (`Family.bu
 family in `dcoco.train.losses`) and the export (`Family.save`).
 
 One step takes `batch_size` sequences and `anchors_per_seq` anchor positions in each (sampled
-uniformly over response positions; `dcoco.train.batch`).
+uniformly over response positions; `dcoco.train.batch`). Every step logs its pace (`samples_per_s`:
+sequences, `tokens_per_s`: their tokens); every `run.flops_every` steps also the matmul work it did
+(`gflop`, `dcoco.train.flops`) and the TFLOPS achieved.
 
 Resume: `run.out/state.pt` holds the model, optimizer, scheduler, step, data order and every RNG
 state; it is replaced atomically every `checkpoint_every` steps, so a killed run continues from
@@ -17,6 +19,7 @@ import math
 import random
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +33,7 @@ from .config import TrainConfig
 from .data import RegeneratedUnion
 from .evaluate import Evaluator
 from .features import FeatureSource, check_data
+from .flops import StepFlops
 from .losses import TargetHead
 from .runstate import append_log, save_state, truncate_log
 
@@ -129,6 +133,7 @@ class Trainer:
             chosen.append(self.train_samples[self.order[self.cursor]])
             self.cursor += 1
         samples = [truncate(s, self.cfg.data.max_length) for s in chosen]
+        self.batch_tokens = sum(len(s["input_ids"]) for s in samples)
         return loss_batch(self.loss, samples, self.features(samples), o.anchors_per_seq, self.gen)
 
     # -- loop --------------------------------------------------------------------------------
@@ -177,16 +182,23 @@ class Trainer:
             disable=not progress,
         )
         last_eval = None
+        flops = StepFlops()
         finished_on_start = self.step >= o.steps
         budget_from = (
             (self.step, time.time()) if o.time_budget_s and not self.budget_fixed and not finished_on_start else None
         )
         try:
             while self.step < o.steps:
+                counted = bool(r.flops_every) and self.step % r.flops_every == 0
                 t0 = time.time()
-                m = self.train_step()
-                self.train_seconds += time.time() - t0
-                m.update(step=self.step, epoch=self.epoch, step_s=round(time.time() - t0, 3))
+                with flops.counting() if counted else nullcontext():
+                    m = self.train_step()
+                dt = time.time() - t0
+                self.train_seconds += dt
+                m.update(step=self.step, epoch=self.epoch, step_s=round(dt, 3))
+                m.update(samples_per_s=round(o.batch_size / dt, 3), tokens_per_s=round(self.batch_tokens / dt, 1))
+                if counted:  # the counter's own overhead is in dt: a lower bound
+                    m.update(gflop=round(flops.total / 1e9, 1), tflops=round(flops.total / dt / 1e12, 4))
                 if budget_from is not None and self.step - budget_from[0] >= o.time_budget_probe:
                     self._fit_time_budget(budget_from)
                     m["steps_from_time_budget"] = o.steps
@@ -195,7 +207,11 @@ class Trainer:
                     last_eval = self.evaluate()
                     m.update(last_eval)
                 self._log(m)
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{last_eval['eval_tau']:.2f}" if last_eval else "-")
+                bar.set_postfix(
+                    loss=f"{m['loss']:.3f}",
+                    tau=f"{last_eval['eval_tau']:.2f}" if last_eval else "-",
+                    seq_s=f"{m['samples_per_s']:.2f}",
+                )
                 bar.update(1)
                 if self.step % r.checkpoint_every == 0 or self.step == o.steps:
                     self.save()

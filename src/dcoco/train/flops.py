@@ -1,0 +1,55 @@
+"""Floating-point operations a training step performs, to log achieved TFLOPS against the machine's
+matmul peak (`scripts/train_throughput.py`).
+
+torch's `FlopCounterMode` counts matrix products and attention from the operators that run, so the
+figure follows whatever the step does (any family, online features or stored). It does not know
+two CPU operators the step uses, registered here with torch's own formulas: the oneDNN linear of the
+target's prepacked weights (`dcoco.nn.prepack`) and the CPU flash-attention kernel (forward and
+backward; counted as full, unmasked attention, as torch counts the others). Elementwise work is not
+counted: the figure is matmul FLOPs, the work the matrix units can do.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.utils import flop_counter as fc
+
+aten = torch.ops.aten
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered or torch.ops.mkldnn._linear_pointwise in fc.flop_registry:
+        return
+
+    def packed_linear_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        rows = 1
+        for d in x_shape[:-1]:
+            rows *= d
+        return 2 * rows * w_shape[0] * w_shape[1]
+
+    fc.register_flop_formula(torch.ops.mkldnn._linear_pointwise)(packed_linear_flop)
+    # torch's own formulas, already shape-wrapped (get_raw: not wrapped twice)
+    fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu, get_raw=True)(fc.sdpa_flop)
+    fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)(
+        fc.sdpa_backward_flop
+    )
+    _registered = True
+
+
+class StepFlops:
+    """`with counter: step()` then `counter.total`: the matmul FLOPs of what ran inside."""
+
+    def __init__(self) -> None:
+        _register()
+        self.total = 0
+
+    @contextmanager
+    def counting(self):
+        mode = fc.FlopCounterMode(display=False)
+        with mode:
+            yield
+        self.total = mode.get_total_flops()
