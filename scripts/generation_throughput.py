@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dcoco.bench.system import machine_info
+from dcoco.bench.system import git_commit, machine_info
 from dcoco.engine import SpeculativeEngine
 from dcoco.sampling import SamplingParams
 from dcoco.target import Target
@@ -84,6 +84,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info("cpu", args.dtype), "threads": args.threads, "max_tokens": args.max_tokens}
+    info["commit"] = git_commit()
     (out / "generation_throughput.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
     lines = ["| requests in flight | tokens/s | passes/s |", "|---:|---:|---:|"]
     lines += [f"| {r['in_flight']} | {r['tokens_per_s']} | {r['steps_per_s']} |" for r in rows]

@@ -8,7 +8,8 @@ achieved at the timed pace. The peak is a large bf16 matmul (2048^3) at the same
   python scripts/train_throughput.py --data DIR [--config configs/dflash_smollm2.yaml] \
       [--shapes 1x4x16,2x4x16,2x8x32,2x8x64] [--steps 5] --out DIR
 
-A shape is THREADSxSEQUENCESxANCHORS. Writes DIR/train_throughput.{json,md,png}.
+A shape is THREADSxSEQUENCESxANCHORS, optionally followed by `:key=value` config overrides of its
+own (e.g. `2x4x64:drafter.draft_vocab_loss=true`). Writes DIR/train_throughput.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -96,11 +97,15 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides for every shape, e.g. drafter.num_layers=1")
     args = ap.parse_args()
     target = Target.from_pretrained(dtype="bfloat16")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = []
+    for spec in args.shapes.split(","):
+        dims, *own = spec.split(":")
+        shapes.append((*(int(v) for v in dims.split("x")), own))
     peaks = {t: round(matmul_peak(t), 3) for t in sorted({s[0] for s in shapes})}
     rows = []
-    for threads, seqs, anchors in shapes:
-        row = measure(args.config, args.data, target, threads, seqs, anchors, args.steps, args.overrides)
+    for threads, seqs, anchors, own in shapes:
+        row = measure(args.config, args.data, target, threads, seqs, anchors, args.steps, [*args.overrides, *own])
+        row["overrides"] = own
         row["peak_tflops"] = peaks[threads]
         row["of_peak"] = round(row["tflops"] / peaks[threads], 3)
         rows.append(row)
@@ -114,13 +119,14 @@ def main() -> None:
     info = {**machine_info("cpu"), "commit": git_commit(), "config": args.config, "overrides": args.overrides}
     (out / "train_throughput.json").write_text(json.dumps({"machine": info, "peaks": peaks, "rows": rows}, indent=2))
     head = (
-        "| threads | seq/step | anchors/seq | s/step | seq/s | blocks/s | tokens/s | GFLOP/token | TFLOPS "
+        "| threads | seq/step | anchors/seq | overrides | s/step | seq/s | blocks/s | tokens/s | GFLOP/token | TFLOPS "
         "| of peak | seq/s vs first | blocks/s vs first |"
     )
-    lines = [head, "|" + "---:|" * 12]
+    lines = [head, "|" + "---:|" * 3 + "---|" + "---:|" * 9]
     for r in rows:
         lines.append(
-            f"| {r['threads']} | {r['sequences_per_step']} | {r['anchors_per_sequence']} | {r['step_s']} "
+            f"| {r['threads']} | {r['sequences_per_step']} | {r['anchors_per_sequence']} "
+            f"| {' '.join(r['overrides']) or '-'} | {r['step_s']} "
             f"| {r['sequences_per_s']} | {r['blocks_per_s']} | {r['tokens_per_s']} | {r['gflop_per_token']} "
             f"| {r['tflops']} | {r['of_peak']:.0%} | {r['sequences_vs_first']}x | {r['blocks_vs_first']}x |"
         )
@@ -135,13 +141,16 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [f"{r['threads']}x{r['sequences_per_step']}x{r['anchors_per_sequence']}" for r in rows]
+    labels = [
+        f"{r['threads']}x{r['sequences_per_step']}x{r['anchors_per_sequence']}" + ("*" if r["overrides"] else "")
+        for r in rows
+    ]
     ax.bar(labels, [r["tflops"] for r in rows], label="achieved")
     for t, p in peaks.items():
         ax.axhline(p, ls="--", color="gray", lw=1)
         ax.text(len(rows) - 0.5, p, f"bf16 matmul peak, {t} thr", ha="right", va="bottom", fontsize=8)
     ax.set_ylabel("TFLOPS (matmul)")
-    ax.set_xlabel("threads x sequences/step x anchors/sequence")
+    ax.set_xlabel("threads x sequences/step x anchors/sequence (* own overrides)")
     ax.set_title("drafter training throughput")
     fig.tight_layout()
     fig.savefig(out / "train_throughput.png", dpi=120)

@@ -566,3 +566,43 @@ def test_drafter_overfits_every_slot_of_a_few_samples(tiny_data, tmp_path, metho
     got = Evaluator(tr.loss, tr.features, tr.train_samples, 1024).decoded(k=5)
     # at most 6 (5 drafts + the bonus token); a sample's last block is cut short by its end
     assert got["eval_tau_decode"] >= 5.4, got
+
+
+def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():
+    """`drafter.draft_vocab_loss`: while training, the loss equals the cross-entropy of the full
+    logits restricted to the draft vocabulary, labels outside it carrying no loss; gradients match;
+    in evaluation the full logits come back as before."""
+    import torch.nn.functional as F
+
+    from dcoco.train.losses import DrafterLoss
+
+    target = tiny()
+    model = tiny_dflash(target, seed=3)
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))[:30].sort().values
+    model.set_draft_vocab(ids)
+    S, T = 2, 20
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(target.vocab_size, (S, T), generator=gen)
+    seqs[0, 5:12] = ids[torch.randint(len(ids), (7,), generator=gen)]  # some labels inside the draft vocabulary
+    samples = [{"input_ids": s.tolist(), "prompt_len": 3} for s in seqs]
+    feats = [torch.randn(T, 2 * target.hidden_size, generator=gen) for _ in range(S)]
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    fast = DrafterLoss(model, embed, head, 4.0, draft_vocab_loss=True)
+    full = DrafterLoss(model, embed, head, 4.0)
+    b = fast.batch_at(samples, feats, [[3, 4, 6, 9], [5, 8]])
+    model.train()
+    loss, extras = fast(b)
+    assert "logits" not in extras
+    grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+    h = full.hidden(b)
+    logits = F.linear(h[:, :, 1:], head.weight[ids])
+    inside = torch.isin(b.labels, ids)
+    labels = torch.where(inside, torch.searchsorted(ids, b.labels.clamp(min=0)), torch.full_like(b.labels, -100))
+    want = full.loss_from_logits(logits, labels)
+    assert inside.any() and (~inside & (b.labels >= 0)).any()
+    torch.testing.assert_close(loss, want)
+    ref = torch.autograd.grad(want, [p for p in model.parameters() if p.requires_grad])
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
+    model.eval()
+    assert fast(b)[1]["logits"].shape[-1] == target.vocab_size

@@ -68,7 +68,9 @@ class DFlashFamily(Family):
         return self.finish(self.backbone(d, target, start), d, target, source)
 
     def build_loss(self, model, parts: LossParts, d) -> DrafterLoss:
-        return DrafterLoss(model, parts.embed, parts.lm_head, parts.gamma, parts.split, parts.target_head)
+        return DrafterLoss(
+            model, parts.embed, parts.lm_head, parts.gamma, parts.split, parts.target_head, d.draft_vocab_loss
+        )
 
 
 DFLASH = DFlashFamily()

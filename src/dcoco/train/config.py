@@ -47,6 +47,9 @@ class CommonDrafterSection(_Section):
     # head on them (d2t / t2d); the DFlash family keeps the full head for its loss and scores only
     # these rows at inference (`draft_ids`). >= the vocabulary size: no draft vocabulary
     draft_vocab_size: int = 8192
+    # DFlash: train the cross-entropy over the draft vocabulary only (what inference drafts from; a
+    # sixth of the LM head's and the loss's work on SmolLM2); the other families score the full one
+    draft_vocab_loss: bool = False
     # default draft tokens per pass stored in the checkpoint (None: EAGLE-3's ttt_steps / block_size - 1)
     num_speculative_tokens: Optional[int] = None
 

@@ -20,13 +20,22 @@ class DrafterLoss:
     """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
 
     def __init__(
-        self, model: DFlashModel, embed, lm_head, gamma: float, split: Optional[int] = None, head=None
+        self,
+        model: DFlashModel,
+        embed,
+        lm_head,
+        gamma: float,
+        split: Optional[int] = None,
+        head=None,
+        draft_vocab_loss: bool = False,
     ) -> None:
         """`split`: the drafter's feature columns (None: all); `head` (`TargetHead`) reads the last
-        layer's columns after them, for the T=1 figures (`slot_acceptance`)."""
+        layer's columns after them, for the T=1 figures (`slot_acceptance`). `draft_vocab_loss`:
+        while training, score only the draft vocabulary (see `__call__`)."""
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.gamma = gamma
         self.split, self.head = split, head
+        self.draft_vocab_loss = draft_vocab_loss
         self.weights = position_weights(model.cfg.block_size, gamma)
 
     def drafter_features(self, b: Batch) -> Batch:
@@ -54,6 +63,18 @@ class DrafterLoss:
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         h = self.hidden(self.drafter_features(b))
+        ids = self.model.draft_ids
+        if self.draft_vocab_loss and self.model.training and ids is not None:
+            # inference drafts only from the draft vocabulary: training scores only those rows of the
+            # LM head (a sixth of its work and of the cross-entropy's on SmolLM2) and the loss is over
+            # that vocabulary; a label outside it cannot be drafted and carries no loss
+            w = self.lm_head.weight[ids]
+            bias = None if self.lm_head.bias is None else self.lm_head.bias[ids]
+            logits = F.linear(h[:, :, 1:], w, bias)  # (S, A, B-1, n)
+            index = torch.full((self.lm_head.weight.shape[0] + 1,), -100, dtype=torch.long, device=ids.device)
+            index[ids] = torch.arange(len(ids), device=ids.device)
+            labels = index[b.labels.masked_fill(b.labels < 0, len(index) - 1).to(ids.device)]
+            return self.loss_from_logits(logits, labels), {"hidden": h}
         logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
         return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
 
