@@ -78,6 +78,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/linear-probe")
+    ap.add_argument(
+        "--compare",
+        nargs="*",
+        default=[],
+        metavar="CHECKPOINT",
+        help="drafter checkpoints whose slot 1 (teacher-forced, random anchors) is measured on the same samples",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -118,6 +125,23 @@ def main() -> None:
                 correct += int((pred == ev[2][i : i + 1024]).sum())
         results[name] = {"heldout_top1": round(correct / len(ev[0]), 4), "final_train_loss": round(loss.item(), 4)}
         print(name, results[name], flush=True)
+    compare = {}
+    for ckpt in args.compare:
+        from dcoco.train.evaluate import evaluate_checkpoint
+
+        r = evaluate_checkpoint(
+            ckpt,
+            args.data,
+            "heldout",
+            (0.0,),
+            args.eval_samples,
+            args.max_length,
+            args.eval_permille,
+            dtype="bfloat16",
+            progress=False,
+        )
+        compare[ckpt] = {"slot1_teacher_forced": r["t0"]["eval_per_position"][0], "samples": r["samples"]}
+        print(ckpt, compare[ckpt], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -131,14 +155,15 @@ def main() -> None:
         "batch_positions": args.batch_positions,
         "feature_seconds": round(feature_s),
         "probes": results,
+        "drafters_slot1": compare,
     }
     (out / "linear_probe.json").write_text(json.dumps(report, indent=2))
-    rows = [f"| `{k}` | {v['heldout_top1']:.3f} |" for k, v in results.items()]
+    rows = [f"| probe `{k}` | {v['heldout_top1']:.3f} |" for k, v in results.items()]
+    rows += [f"| {k} (slot 1, teacher-forced) | {v['slot1_teacher_forced']:.3f} |" for k, v in compare.items()]
     (out / "linear_probe.md").write_text(
         f"Linear probe for the token after next, {len(train)} training samples ({len(tr[0])} positions), "
-        f"{len(held)} held-out samples ({len(ev[0])} positions)\n\n| probe | held-out top-1 |\n|---|---:|\n"
-        + "\n".join(rows)
-        + "\n"
+        f"{len(held)} held-out samples ({len(ev[0])} positions)\n\n"
+        "| predictor of the token after next | held-out top-1 |\n|---|---:|\n" + "\n".join(rows) + "\n"
     )
 
 

@@ -17,12 +17,10 @@ import torch
 from torch.utils import flop_counter as fc
 
 aten = torch.ops.aten
-_registered = False
 
 
 def _register() -> None:
-    global _registered
-    if _registered or torch.ops.mkldnn._linear_pointwise in fc.flop_registry:
+    if aten._scaled_dot_product_flash_attention_for_cpu in fc.flop_registry:  # once per process
         return
 
     def packed_linear_flop(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
@@ -31,17 +29,19 @@ def _register() -> None:
             rows *= d
         return 2 * rows * w_shape[0] * w_shape[1]
 
-    fc.register_flop_formula(torch.ops.mkldnn._linear_pointwise)(packed_linear_flop)
+    try:
+        fc.register_flop_formula(torch.ops.mkldnn._linear_pointwise)(packed_linear_flop)
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN: no prepacked linears either
+        pass
     # torch's own formulas, already shape-wrapped (get_raw: not wrapped twice)
     fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu, get_raw=True)(fc.sdpa_flop)
     fc.register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)(
         fc.sdpa_backward_flop
     )
-    _registered = True
 
 
 class StepFlops:
-    """`with counter: step()` then `counter.total`: the matmul FLOPs of what ran inside."""
+    """`with counter.counting(): step()`, then `counter.total`: the matmul FLOPs of what ran inside."""
 
     def __init__(self) -> None:
         _register()

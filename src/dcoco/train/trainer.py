@@ -93,6 +93,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(o.seed)
         self.epoch, self.order, self.cursor = 0, None, 0
         self.train_seconds = 0.0  # wall time of the training steps so far (kept across resumes)
+        self.batch_tokens = 0  # tokens of the last batch's sequences (its pace in the log)
         self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
         self._resume()
