@@ -606,3 +606,21 @@ def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():
         torch.testing.assert_close(g, r)
     model.eval()
     assert fast(b)[1]["logits"].shape[-1] == target.vocab_size
+
+
+def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_path):
+    """A stage warm-started from an exported drafter (`drafter.init_from`) counts the sequences of
+    the earlier stage: its log and provenance extend one curve (sequences seen on the x axis)."""
+    import json
+
+    target, root = tiny_data
+    first = Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 3}), target, RegeneratedData(root))
+    first.run(progress=False)
+    prov = json.loads((tmp_path / "a" / "drafter" / "config.json").read_text())["dcoco_training"]
+    assert prov["samples_seen"] == 3 * 4
+    over = {"optim.steps": 2, "drafter.init_from": str(tmp_path / "a" / "drafter")}
+    Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root)).run(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["samples_seen"] for r in rows] == [16, 20]
+    prov = json.loads((tmp_path / "b" / "drafter" / "config.json").read_text())["dcoco_training"]
+    assert prov["samples_seen"] == 20

@@ -19,7 +19,9 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    steps = [r["step"] for r in rows]
+    # x: sequences seen (earlier stages included) where the log has them, else steps
+    xkey = "samples_seen" if all("samples_seen" in r for r in rows) else "step"
+    steps = [r[xkey] for r in rows]
     loss = [r["loss"] for r in rows]
     k = max(1, len(loss) // 100)
     smooth = [sum(loss[max(0, i - k) : i + 1]) / len(loss[max(0, i - k) : i + 1]) for i in range(len(loss))]
@@ -27,10 +29,8 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
     ax[0].plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {k + 1})")
     ev = [r for r in rows if "eval_loss" in r]
     if ev:
-        ax[0].plot(
-            [r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss"
-        )
-        xs = [r["step"] for r in ev]
+        ax[0].plot([r[xkey] for r in ev], [r["eval_loss"] for r in ev], "o-", color="tab:orange", label="held-out loss")
+        xs = [r[xkey] for r in ev]
         corrected = "eval_tau_dflash" in ev[-1]  # DCOCO logs the same drafts without correction and the oracle
         mode = "with correction, " if corrected else ""
         ax[1].plot(xs, [r["eval_tau"] for r in ev], "o-", color="tab:green", label=mode + "random anchors")
@@ -60,8 +60,9 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
                 label="oracle (best of shortlist), random anchors",
             )
         ax[1].legend(fontsize=8)
-    ax[0].set_xlabel("step"), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
-    ax[1].set_xlabel("step"), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)
+    xlabel = "sequences seen" if xkey == "samples_seen" else "step"
+    ax[0].set_xlabel(xlabel), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
+    ax[1].set_xlabel(xlabel), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

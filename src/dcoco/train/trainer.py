@@ -38,6 +38,21 @@ from .losses import TargetHead
 from .runstate import append_log, save_state, truncate_log
 
 
+def samples_seen(checkpoint: str) -> int:
+    """Training sequences behind a drafter checkpoint, from its provenance (`dcoco_training`): the
+    recorded count, else steps x sequences per step of the run that exported it; 0 if unknown."""
+    import json
+
+    try:
+        prov = json.loads((Path(checkpoint) / "config.json").read_text()).get("dcoco_training") or {}
+    except (OSError, ValueError):
+        return 0
+    if "samples_seen" in prov:
+        return int(prov["samples_seen"])
+    batch = ((prov.get("config") or {}).get("optim") or {}).get("batch_size", 0)
+    return int(prov.get("step", 0)) * int(batch)
+
+
 def drafter_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, weight decay on matrices only (not norms and biases)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -94,6 +109,8 @@ class Trainer:
         self.epoch, self.order, self.cursor = 0, None, 0
         self.train_seconds = 0.0  # wall time of the training steps so far (kept across resumes)
         self.batch_tokens = 0  # tokens of the last batch's sequences (its pace in the log)
+        # sequences seen before this run: a stage continued from a checkpoint extends its curve
+        self.samples_before = samples_seen(d.init_from) if d.init_from else 0
         self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
         self._resume()
@@ -107,12 +124,18 @@ class Trainer:
                 "step": self.step,
                 "train_samples": len(self.train_samples),
                 "train_seconds": round(self.train_seconds),
+                "samples_seen": self.samples_seen,
                 "threads": torch.get_num_threads(),
                 "device": device_label(str(self.device)),
                 "data": str(self.cfg.data.path),
                 "config": self.cfg.model_dump(),
             }
         }
+
+    @property
+    def samples_seen(self) -> int:
+        """Training sequences seen by this drafter, earlier stages (`drafter.init_from`) included."""
+        return self.samples_before + self.step * self.cfg.optim.batch_size
 
     # -- schedule and data -------------------------------------------------------------------
     def lr_lambda(self, step: int) -> float:
@@ -196,7 +219,7 @@ class Trainer:
                     m = self.train_step()
                 dt = time.time() - t0
                 self.train_seconds += dt
-                m.update(step=self.step, epoch=self.epoch, step_s=round(dt, 3))
+                m.update(step=self.step, epoch=self.epoch, samples_seen=self.samples_seen, step_s=round(dt, 3))
                 m.update(samples_per_s=round(o.batch_size / dt, 3), tokens_per_s=round(self.batch_tokens / dt, 1))
                 if counted:  # the counter's own overhead is in dt: a lower bound
                     m.update(gflop=round(flops.total / 1e9, 1), tflops=round(flops.total / dt / 1e12, 4))
