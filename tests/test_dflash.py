@@ -485,6 +485,8 @@ def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
     m = pack([first], out)
     assert [c["samples"] for c in m["chunks"]] == [25, 15] and (out / "chunk-00000.safetensors").read_bytes() == chunk0
     assert pack([first], out)["chunks"] == m["chunks"]  # nothing new: nothing appended
+    with pytest.raises(ConfigError, match="packed already"):
+        pack([out], tmp_path / "twice")
     PackedData(out).verify()
     got = {s["id"]: s for s in PackedData(out).samples()}
     want = {s["id"]: s for s in RegeneratedData(first).samples()}

@@ -114,6 +114,9 @@ def pack(sources: Sequence[str | Path], out: str | Path) -> dict:
     from .data import RegeneratedData
 
     out = Path(out)
+    for s in sources:
+        if is_packed(s):
+            raise ConfigError(f"{s} is packed already: pack the regenerated directories it came from")
     parts = [RegeneratedData(s) for s in sources]
     if not parts:
         raise ConfigError("pack needs at least one regenerated data directory")
