@@ -478,15 +478,15 @@ def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
     regen = dict(taps=taps, sampling=SamplingParams(max_tokens=24), progress=False, features=False)
     regenerate(target, prompts, first, num_samples=25, **regen)
     out = tmp_path / "packed"
-    m = pack([first], out)
+    m = pack([RegeneratedData(first)], out)
     assert len(m["chunks"]) == 1 and m["totals"]["samples"] == 25
     chunk0 = (out / "chunk-00000.safetensors").read_bytes()
     regenerate(target, prompts, first, num_samples=40, **regen)  # the regeneration goes on
-    m = pack([first], out)
+    m = pack([RegeneratedData(first)], out)
     assert [c["samples"] for c in m["chunks"]] == [25, 15] and (out / "chunk-00000.safetensors").read_bytes() == chunk0
-    assert pack([first], out)["chunks"] == m["chunks"]  # nothing new: nothing appended
+    assert pack([RegeneratedData(first)], out)["chunks"] == m["chunks"]  # nothing new: nothing appended
     with pytest.raises(ConfigError, match="packed already"):
-        pack([out], tmp_path / "twice")
+        pack([RegeneratedData(out)], tmp_path / "twice")
     PackedData(out).verify()
     got = {s["id"]: s for s in PackedData(out).samples()}
     want = {s["id"]: s for s in RegeneratedData(first).samples()}
@@ -502,12 +502,12 @@ def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
         target, prompts[:2], hot, num_samples=2, **{**regen, "sampling": SamplingParams(temperature=1.0, max_tokens=24)}
     )
     with pytest.raises(ConfigError, match="temperature"):
-        pack([hot], out)
+        pack([RegeneratedData(hot)], out)
     (out / "chunk-00001.safetensors").write_bytes(b"changed")
     with pytest.raises(ConfigError, match="sha256"):
         PackedData(out).verify()
     (out / "chunk-00001.safetensors").unlink()
-    pack([first], tmp_path / "again")
+    pack([RegeneratedData(first)], tmp_path / "again")
     tr = Trainer(
         _cfg(str(tmp_path / "again"), tmp_path / "t", **{"optim.steps": 2, "data.features": "online"}),
         target,

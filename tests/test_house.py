@@ -103,7 +103,7 @@ def string_literals(path: Path) -> list[tuple[int, str]]:
 
 
 #: lines where "dcoco" is the project's name, not the family's
-PROJECT_NAME = re.compile(r'prog="dcoco"|title="dcoco"|"owned_by": "dcoco"|Path\(base\) / "dcoco"')
+PROJECT_NAME = re.compile(r'PROG = "dcoco"|title="dcoco"|"owned_by": "dcoco"|Path\(base\) / "dcoco"')
 
 
 def test_only_the_registry_names_families():

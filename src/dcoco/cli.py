@@ -16,6 +16,8 @@ from .errors import DcocoError, InvalidPromptError
 
 # MT-Bench question 81, turn 1 (the benchmark's first prompt). The earlier code prompt sent the
 # 135M model into a repetition loop, which showed more about the model than about drafting.
+PROG = "dcoco"  # the command's name, as regeneration manifests record the command
+
 DEMO_PROMPT = (
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
     "and must-see attractions."
@@ -47,7 +49,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcoco", description="Lossless speculative decoding.")
+    parser = argparse.ArgumentParser(prog=PROG, description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -442,9 +444,10 @@ def cmd_data(args) -> int:
     if args.data_command == "prompts":
         return cmd_data_prompts(args)
     if args.data_command == "pack":
+        from .train.data import RegeneratedData
         from .train.packed import pack
 
-        t = pack(args.sources, args.out).get("totals", {})
+        t = pack([RegeneratedData(s) for s in args.sources], args.out).get("totals", {})
         print(
             f"{args.out}: {t.get('samples', 0)} samples, {t.get('response_tokens', 0)} response tokens "
             f"({t.get('prompt_tokens', 0)} prompt tokens)"
@@ -488,7 +491,7 @@ def cmd_data(args) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         source=args.source + (" (from the end)" if args.from_end else ""),
         features=not args.no_features,
-        command=shlex.join(["dcoco", *sys.argv[1:]]),
+        command=shlex.join([PROG, *sys.argv[1:]]),
     )
     return 0
 

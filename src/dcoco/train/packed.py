@@ -108,16 +108,14 @@ class PackedData:
                 raise ConfigError(f"{path} is missing or does not match its sha256 in the manifest")
 
 
-def pack(sources: Sequence[str | Path], out: str | Path) -> dict:
-    """Append the samples of the regenerated directories `sources` that `out` does not hold yet as
-    one new chunk; returns the manifest. All sources and chunks must share `SAME_SETTINGS`."""
-    from .data import RegeneratedData
-
+def pack(parts: Sequence, out: str | Path) -> dict:
+    """Append the samples of the regenerated directories `parts` (`dcoco.train.data.RegeneratedData`)
+    that `out` does not hold yet as one new chunk; returns the manifest. All sources and chunks must
+    share `SAME_SETTINGS`."""
     out = Path(out)
-    for s in sources:
-        if is_packed(s):
-            raise ConfigError(f"{s} is packed already: pack the regenerated directories it came from")
-    parts = [RegeneratedData(s) for s in sources]
+    for p in parts:
+        if is_packed(p.root):
+            raise ConfigError(f"{p.root} is packed already: pack the regenerated directories it came from")
     if not parts:
         raise ConfigError("pack needs at least one regenerated data directory")
     first = parts[0].manifest
