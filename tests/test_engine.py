@@ -107,6 +107,37 @@ def test_requests_join_and_leave():
     assert [r.output_ids for r in reqs] == solo
 
 
+def test_rows_leave_and_join_in_place(target):
+    """A finished request's row takes the last row; an admitted one fills the spare row, without
+    re-allocating the cache; every row then holds exactly a fresh prefill of its tokens."""
+    prompts = random_prompts(4, target.vocab_size, lengths=(9, 14, 6, 11), seed=6)
+    kv, _ = target.prefill(prompts)
+    block = torch.randint(0, target.vocab_size, (4, 3))
+    target.forward(kv, block, torch.full((4,), 3))
+    kv.commit(torch.tensor([3, 1, 2, 3]))
+    tokens = [p + block[b, : [3, 1, 2, 3][b]].tolist() for b, p in enumerate(prompts)]
+    buffer = kv.cache.layers[0]._kbuf.data_ptr()
+    order = kv.drop([0, 2])
+    assert order == [3, 1]
+    tokens = [tokens[b] for b in order]
+    new = random_prompts(2, target.vocab_size, lengths=(5, 8), seed=7)
+    kv.extend(target.prefill(new)[0])
+    tokens += new
+    assert kv.cache.layers[0]._kbuf.data_ptr() == buffer  # written in place
+    assert kv.lengths.tolist() == [len(t) for t in tokens]
+    for b, t in enumerate(tokens):
+        ref, _ = target.prefill([t])
+        for layer in range(target.num_layers):
+            k1, v1 = _row_kv(kv, b, layer)
+            k2, v2 = _row_kv(ref, 0, layer)
+            assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+    nxt = torch.randint(0, target.vocab_size, (4, 1))
+    out = target.forward(kv, nxt, torch.ones(4, dtype=torch.long))
+    for b, t in enumerate(tokens):
+        ref, _ = target.prefill([t])
+        assert torch.allclose(out.logits[b], target.forward(ref, nxt[b : b + 1], torch.ones(1)).logits[0], atol=1e-4)
+
+
 def test_taps_capture_hidden_states(target):
     prompts = random_prompts(2, target.vocab_size, lengths=(7, 4))
     target.set_taps((0, 1, target.num_layers))

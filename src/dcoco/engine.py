@@ -270,9 +270,7 @@ class SpeculativeEngine:
             if self.drafter is not None:
                 self.drafter.release(r.request_id)
             finished.append(r)
-        keep = [b for b, r in enumerate(self.running) if not r.finished]
-        self.running = [self.running[b] for b in keep]
-        self.kv.select(keep)
+        self.running = [self.running[b] for b in self.kv.drop(done)]
         return finished
 
     # -- offline API ---------------------------------------------------------------------------

@@ -9,7 +9,9 @@ one gather per layer. With one
 request there are never holes: rejection is a plain crop.
 
 Layers are preallocated and grown by doubling, so a decode step writes in place instead of
-re-concatenating the whole cache as `DynamicLayer` does.
+re-concatenating the whole cache as `DynamicLayer` does. Requests come and go without copying the
+cache either: a finished request's row is overwritten by the last row, and the rows so freed take
+the next admitted requests.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def pad_rows(
 
 
 class GrowingLayer(DynamicLayer):
-    """A cache layer with capacity: in-place appends, views over the used part."""
+    """A cache layer with capacity in slots and in rows: in-place appends of tokens and of requests,
+    views over the used part. Rows beyond the used ones are spare room for requests admitted later."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -41,28 +44,31 @@ class GrowingLayer(DynamicLayer):
         self._kbuf, self._vbuf = self.keys, self.values
         self.is_initialized = True
 
+    def _view(self, rows: int, slots: int) -> None:
+        self.keys, self.values = self._kbuf[:rows, :, :slots], self._vbuf[:rows, :, :slots]
+
     def _reserve(self, need: int) -> None:
         cap = self._kbuf.shape[2]
         if need <= cap:
             return
         new_cap = max(need, 2 * cap, 64)
-        used = self.keys.shape[2]
-        kb = self._kbuf.new_empty(self._kbuf.shape[0], self._kbuf.shape[1], new_cap, self._kbuf.shape[3])
-        vb = self._vbuf.new_empty(self._vbuf.shape[0], self._vbuf.shape[1], new_cap, self._vbuf.shape[3])
-        kb[:, :, :used] = self.keys
-        vb[:, :, :used] = self.values
+        B, used = self.keys.shape[0], self.keys.shape[2]
+        rows = self._kbuf.shape[0]  # spare rows stay
+        kb = self._kbuf.new_empty(rows, self._kbuf.shape[1], new_cap, self._kbuf.shape[3])
+        vb = self._vbuf.new_empty(rows, self._vbuf.shape[1], new_cap, self._vbuf.shape[3])
+        kb[:B, :, :used] = self.keys
+        vb[:B, :, :used] = self.values
         self._kbuf, self._vbuf = kb, vb
-        self.keys, self.values = kb[:, :, :used], vb[:, :, :used]
+        self._view(B, used)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        used, q = self.keys.shape[2], key_states.shape[2]
+        B, used, q = self.keys.shape[0], self.keys.shape[2], key_states.shape[2]
         self._reserve(used + q)
-        self._kbuf[:, :, used : used + q] = key_states
-        self._vbuf[:, :, used : used + q] = value_states
-        self.keys = self._kbuf[:, :, : used + q]
-        self.values = self._vbuf[:, :, : used + q]
+        self._kbuf[:B, :, used : used + q] = key_states
+        self._vbuf[:B, :, used : used + q] = value_states
+        self._view(B, used + q)
         return self.keys, self.values
 
     def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -74,8 +80,32 @@ class GrowingLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove and self.is_initialized:
-            n = self.keys.shape[2] - abs(tokens_to_remove)
-            self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+            self._view(self.keys.shape[0], self.keys.shape[2] - abs(tokens_to_remove))
+
+    @torch.inference_mode()  # the buffers were made by the target's inference-mode forward
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+        """Copy rows `src` onto rows `dst`, then keep the first `rows` rows (the rest become spare)."""
+        S = self.keys.shape[2]
+        if len(dst):
+            self._kbuf[dst, :, :S] = self._kbuf[src, :, :S]
+            self._vbuf[dst, :, :S] = self._vbuf[src, :, :S]
+        self._view(rows, S)
+
+    def fits(self, rows: int, slots: int) -> bool:
+        """Whether `rows` more requests of at most the current number of slots fit in spare rows."""
+        B, S = self.keys.shape[0], self.keys.shape[2]
+        return B + rows <= self._kbuf.shape[0] and slots <= S
+
+    @torch.inference_mode()
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write requests into spare rows, right-aligned (zeros in the left padding: masked slots
+        must hold finite numbers)."""
+        B, S = self.keys.shape[0], self.keys.shape[2]
+        n, S2 = keys.shape[0], keys.shape[2]
+        for buf, new in ((self._kbuf, keys), (self._vbuf, values)):
+            buf[B : B + n, :, : S - S2].zero_()
+            buf[B : B + n, :, S - S2 : S] = new
+        self._view(B + n, S)
 
 
 def new_cache(num_layers: int) -> DynamicCache:
@@ -185,14 +215,27 @@ class KVBatch:
             )
 
     # -- batch membership -------------------------------------------------------------------
-    def select(self, rows: torch.Tensor | list[int]) -> None:
-        """Keep only `rows` (requests that finished are dropped)."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        self.valid, self.pos, self.lengths = self.valid[rows], self.pos[rows], self.lengths[rows]
+    def drop(self, rows: Sequence[int]) -> list[int]:
+        """Remove `rows` (finished requests) by moving the last remaining rows into their places: one
+        row copy per removed request instead of a copy of the whole cache. Returns the old index of
+        each remaining row, in its new order."""
+        gone = set(rows)
+        B = self.batch_size
+        n = B - len(gone)
+        holes = [b for b in range(n) if b in gone]
+        movers = [b for b in range(n, B) if b not in gone]
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.valid, self.pos, self.lengths = self.valid[idx], self.pos[idx], self.lengths[idx]
+        dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+        src = torch.tensor(movers, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
             if layer.is_initialized:
-                layer.set(layer.keys[rows], layer.values[rows])
+                layer.move_rows(dst, src, n)
         self._tidy()
+        return order
 
     def extend(self, other: "KVBatch") -> None:
         """Append the rows of `other` (e.g. freshly prefilled requests) to this batch."""
@@ -201,6 +244,10 @@ class KVBatch:
             return
         S1, S2 = self.num_slots, other.num_slots
         S = max(S1, S2)
+        layers = list(zip(self.cache.layers, other.cache.layers))
+        in_place = all(a.is_initialized and b.is_initialized for a, b in layers) and all(
+            a.fits(other.batch_size, S2) for a, _ in layers
+        )
 
         def lpad(t: torch.Tensor, n: int, value) -> torch.Tensor:
             if n == 0:
@@ -211,7 +258,11 @@ class KVBatch:
         self.valid = torch.cat([lpad(self.valid, S - S1, False), lpad(other.valid, S - S2, False)])
         self.pos = torch.cat([lpad(self.pos, S - S1, -1), lpad(other.pos, S - S2, -1)])
         self.lengths = torch.cat([self.lengths, other.lengths])
-        for a, b in zip(self.cache.layers, other.cache.layers):
+        if in_place:  # into spare rows: only the new requests are copied
+            for a, b in layers:
+                a.append_rows(b.keys, b.values)
+            return
+        for a, b in layers:
             ks, vs = [], []
             for layer, n in ((a, S - S1), (b, S - S2)):
                 k, v = layer.keys, layer.values
