@@ -239,6 +239,17 @@ def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
         )
 
 
+def test_prompts_are_answered_in_length_sorted_windows():
+    """Regeneration sorts each window of prompts by length (less padding in flight) but answers the
+    same prompts: a window never reaches past the prompts it was asked for."""
+    from dcoco.train.data import _by_length
+
+    prompts = [(Prompt(id=str(i), messages=[]), [0] * n) for i, n in enumerate([5, 2, 9, 1, 7, 3, 8])]
+    got = list(_by_length(iter(prompts), 3))
+    assert [len(ids) for _, ids in got] == [2, 5, 9, 1, 3, 7, 8]
+    assert sorted(p.id for p, _ in got) == [str(i) for i in range(7)]
+
+
 def test_union_of_regenerated_sets(tiny_data, tmp_path):
     """Two directories regenerated side by side train as one set; a duplicate id is read once unless
     answered at another temperature, and directories with other taps are refused."""
