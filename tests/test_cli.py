@@ -123,5 +123,5 @@ def test_eval_help_lists_its_options(capsys):
         main(["eval", "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0
-    for opt in ("--data", "--split", "--temperatures", "--num-samples", "--out", "--dtype"):
+    for opt in ("--data", "--split", "--eval-permille", "--temperatures", "--num-samples", "--out", "--dtype"):
         assert opt in out

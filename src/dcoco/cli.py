@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["heldout", "all"],
         help="heldout: the samples training holds out (by a hash of their id); all: every sample (a held-out set)",
     )
+    ev.add_argument(
+        "--eval-permille", type=int, default=20, help="--split heldout's share (training's data.eval_permille)"
+    )
     ev.add_argument("--temperatures", default="0,1", help="0, 1 or 0,1 (default)")
     ev.add_argument("--num-samples", type=int, default=48, help="evaluate at most N samples (default 48; 0: all)")
     ev.add_argument("--max-length", type=int, default=1024, help="tokens per sample, longer ones are cut")
@@ -535,6 +538,7 @@ def cmd_eval(args) -> int:
         temperatures=temps,
         num_samples=args.num_samples or None,
         max_length=args.max_length,
+        eval_permille=args.eval_permille,
         model=args.model,
         dtype=args.dtype,
         device=args.device,
