@@ -72,19 +72,23 @@ def test_rollback_equals_fresh_cache(target):
     keep = torch.tensor([2, 5, 1])
     kv.commit(keep)
     kv.compact()
-    fresh_prompts = [p + block[b, : keep[b]].tolist() for b, p in enumerate(prompts)]
-    assert kv.lengths.tolist() == [len(p) for p in fresh_prompts]
-    for b, fp in enumerate(fresh_prompts):
-        ref, _ = target.prefill([fp])
+    assert_rows_are_fresh_prefills(target, kv, [p + block[b, : keep[b]].tolist() for b, p in enumerate(prompts)])
+
+
+def assert_rows_are_fresh_prefills(target, kv: KVBatch, tokens: list[list[int]]) -> None:
+    """Row b of `kv` holds exactly a fresh prefill of `tokens[b]`, and the next forward sees the same
+    logits as on that fresh cache."""
+    assert kv.lengths.tolist() == [len(t) for t in tokens]
+    for b, t in enumerate(tokens):
+        ref, _ = target.prefill([t])
         for layer in range(target.num_layers):
             k1, v1 = _row_kv(kv, b, layer)
             k2, v2 = _row_kv(ref, 0, layer)
             assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
-    # and the next forward sees the same logits as on the fresh cache
-    nxt = torch.randint(0, target.vocab_size, (3, 1))
-    out = target.forward(kv, nxt, torch.ones(3, dtype=torch.long))
-    for b, fp in enumerate(fresh_prompts):
-        ref, _ = target.prefill([fp])
+    nxt = torch.randint(0, target.vocab_size, (len(tokens), 1))
+    out = target.forward(kv, nxt, torch.ones(len(tokens), dtype=torch.long))
+    for b, t in enumerate(tokens):
+        ref, _ = target.prefill([t])
         o2 = target.forward(ref, nxt[b : b + 1], torch.ones(1, dtype=torch.long))
         assert torch.allclose(out.logits[b], o2.logits[0], atol=1e-4)
 
@@ -124,18 +128,7 @@ def test_rows_leave_and_join_in_place(target):
     kv.extend(target.prefill(new)[0])
     tokens += new
     assert kv.cache.layers[0]._kbuf.data_ptr() == buffer  # written in place
-    assert kv.lengths.tolist() == [len(t) for t in tokens]
-    for b, t in enumerate(tokens):
-        ref, _ = target.prefill([t])
-        for layer in range(target.num_layers):
-            k1, v1 = _row_kv(kv, b, layer)
-            k2, v2 = _row_kv(ref, 0, layer)
-            assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
-    nxt = torch.randint(0, target.vocab_size, (4, 1))
-    out = target.forward(kv, nxt, torch.ones(4, dtype=torch.long))
-    for b, t in enumerate(tokens):
-        ref, _ = target.prefill([t])
-        assert torch.allclose(out.logits[b], target.forward(ref, nxt[b : b + 1], torch.ones(1)).logits[0], atol=1e-4)
+    assert_rows_are_fresh_prefills(target, kv, tokens)
 
 
 def test_taps_capture_hidden_states(target):
