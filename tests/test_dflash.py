@@ -311,6 +311,15 @@ def _cfg(root, out, **over):
     return load_config(None, [f"{k}={v}" for k, v in base.items()])
 
 
+def test_samples_with_no_response_within_max_length_are_left_out(tiny_data, tmp_path):
+    """A sample cut by data.max_length to (almost) its prompt has nothing to train or evaluate."""
+    target, root = tiny_data
+    tr = Trainer(_cfg(root, tmp_path / "run", **{"data.max_length": 12}), target, RegeneratedData(root))
+    kept = tr.train_samples + tr.eval_samples
+    assert any(s["prompt_len"] > 10 for s in RegeneratedData(root).samples())
+    assert kept and all(s["prompt_len"] <= 10 for s in kept)
+
+
 def test_training_loss_falls(tiny_data, tmp_path):
     target, root = tiny_data
     tr = Trainer(_cfg(root, tmp_path / "run"), target, RegeneratedData(root))

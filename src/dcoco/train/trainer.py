@@ -77,7 +77,9 @@ class Trainer:
         o, d = cfg.optim, cfg.drafter
         torch.manual_seed(o.seed)
         check_data(target, data, cfg.data.features == "online")
-        samples = [s for s in data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
+        # at least two response tokens within data.max_length: an anchor and its label
+        cut = cfg.data.max_length
+        samples = [s for s in data.samples() if min(len(s["input_ids"]), cut) - s["prompt_len"] >= 2]
         held = [is_eval_sample(s["id"], cfg.data.eval_permille) for s in samples]
         self.eval_samples = [s for s, h in zip(samples, held) if h][: cfg.data.eval_samples]
         self.train_samples = [s for s, h in zip(samples, held) if not h]
