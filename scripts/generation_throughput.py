@@ -3,7 +3,7 @@ regenerate` and of a loaded server. For each batch size B, B requests (ShareGPT 
 prompts) are kept in flight, finished ones replaced at once, and the generated tokens are counted
 over a window after a warm-up.
 
-  python scripts/generation_throughput.py --batch-sizes 8,32,64,128,256 --seconds 40 --out DIR
+  python scripts/generation_throughput.py --batch-sizes 8,32,64,128,256 --seconds 40 --out DIR [--turns all]
 
 Writes DIR/generation_throughput.{json,md,png}.
 """
@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=10.0)
     ap.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument(
+        "--turns", choices=["first", "all"], default="first", help="ShareGPT user turns (see data regenerate)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default="runs/generation-throughput")
@@ -70,7 +73,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = Target.from_pretrained(dtype=args.dtype)
     prompts = []
-    for p in sharegpt_train_prompts():
+    for p in sharegpt_train_prompts(args.turns):
         ids = target.encode(p.messages)
         if len(ids) <= args.max_prompt_tokens:
             prompts.append(ids)
@@ -84,13 +87,15 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info("cpu", args.dtype), "threads": args.threads, "max_tokens": args.max_tokens}
+    info.update(max_prompt_tokens=args.max_prompt_tokens, turns=args.turns)
     info["commit"] = git_commit()
     (out / "generation_throughput.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
     lines = ["| requests in flight | tokens/s | passes/s |", "|---:|---:|---:|"]
     lines += [f"| {r['in_flight']} | {r['tokens_per_s']} | {r['steps_per_s']} |" for r in rows]
     (out / "generation_throughput.md").write_text(
         f"Vanilla batched decoding, {info.get('cpu', '')}, {args.threads} threads, {args.dtype}, greedy, "
-        f"up to {args.max_tokens} new tokens per request\n\n" + "\n".join(lines) + "\n"
+        f"up to {args.max_tokens} new tokens per request, ShareGPT training-split prompts ({args.turns} user "
+        f"turns, at most {args.max_prompt_tokens} tokens)\n\n" + "\n".join(lines) + "\n"
     )
     import matplotlib
 
