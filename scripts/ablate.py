@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from dcoco.bench.system import git_commit, machine_info
+from dcoco.train.runstate import read_log
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -33,9 +34,7 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
 
 def last_eval(log: Path) -> dict | None:
     """The last logged line that carries held-out figures, with the run's totals."""
-    if not log.exists():
-        return None
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    rows = read_log(log)
     evals = [r for r in rows if "eval_tau_decode" in r]
     if not evals:
         return None
@@ -122,7 +121,7 @@ def main() -> None:
 
 def _finished(run: Path) -> bool:
     """Whether the run reached its last step (the state's step equals the steps its budget fixed)."""
-    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_log(run / "log.jsonl")
     budget = [r["steps_from_time_budget"] for r in rows if "steps_from_time_budget" in r]
     return bool(budget) and rows[-1]["step"] >= budget[-1]
 

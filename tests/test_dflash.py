@@ -632,8 +632,12 @@ def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():
 
 def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_path):
     """A stage warm-started from an exported drafter (`drafter.init_from`) counts the sequences of
-    the earlier stage: its log and provenance extend one curve (sequences seen on the x axis)."""
+    the earlier stage: its log and provenance extend one curve (sequences seen on the x axis), and
+    its exported drafter carries both stages' rows (a third stage extends the same curve)."""
     import json
+
+    from dcoco.train.runstate import read_log
+    from dcoco.train.trainer import CURVE_LOG
 
     target, root = tiny_data
     first = Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 3}), target, RegeneratedData(root))
@@ -642,7 +646,16 @@ def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_pa
     assert prov["samples_seen"] == 3 * 4
     over = {"optim.steps": 2, "drafter.init_from": str(tmp_path / "a" / "drafter")}
     Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root)).run(progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    rows = read_log(tmp_path / "b" / "log.jsonl")
     assert [r["samples_seen"] for r in rows] == [16, 20]
     prov = json.loads((tmp_path / "b" / "drafter" / "config.json").read_text())["dcoco_training"]
     assert prov["samples_seen"] == 20
+    curve = read_log(tmp_path / "b" / "drafter" / CURVE_LOG)
+    assert [(r["stage"], r["samples_seen"]) for r in curve] == [(1, 4), (1, 8), (1, 12), (2, 16), (2, 20)]
+    assert (tmp_path / "b" / "curve.png").stat().st_size > 0
+    # a checkpoint without a curve (shipped before curves travelled): its evaluation opens the new one
+    (tmp_path / "a" / "drafter" / CURVE_LOG).unlink()
+    Trainer(_cfg(root, tmp_path / "c", **over), target, RegeneratedData(root)).run(progress=False)
+    curve = read_log(tmp_path / "c" / "drafter" / CURVE_LOG)
+    assert [(r["stage"], r["samples_seen"]) for r in curve] == [(0, 12), (1, 16), (1, 20)]
+    assert "eval_tau_decode" in curve[0] and "loss" not in curve[0]

@@ -15,13 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-
-
-def read_log(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+from ..train.runstate import read_log
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -1,16 +1,13 @@
-"""Training curves from a JSONL log."""
+"""Training curves from log rows (one run's, or every stage's: `Trainer.curve_rows`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 
-def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Path]:
-    if not Path(log).exists():
-        return None
-    rows = [json.loads(l) for l in Path(log).read_text().splitlines() if l.strip()]
+def training_curve(rows: list[dict], out: Path, title: str = "training") -> Optional[Path]:
+    """Loss and held-out τ against sequences seen; a dotted line where each later stage begins."""
     if not rows:
         return None
     import matplotlib
@@ -21,8 +18,9 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     # x: sequences seen (earlier stages included) where the log has them, else steps
     xkey = "samples_seen" if all("samples_seen" in r for r in rows) else "step"
-    steps = [r[xkey] for r in rows]
-    loss = [r["loss"] for r in rows]
+    trained = [r for r in rows if "loss" in r]  # a warm start's opening evaluation has no training loss
+    steps = [r[xkey] for r in trained]
+    loss = [r["loss"] for r in trained]
     k = max(1, len(loss) // 100)
     smooth = [sum(loss[max(0, i - k) : i + 1]) / len(loss[max(0, i - k) : i + 1]) for i in range(len(loss))]
     ax[0].plot(steps, loss, alpha=0.25, color="tab:blue", label="train loss")
@@ -61,6 +59,11 @@ def training_curve(log: Path, out: Path, title: str = "training") -> Optional[Pa
             )
         ax[1].legend(fontsize=8)
     xlabel = "sequences seen" if xkey == "samples_seen" else "step"
+    if xkey == "samples_seen":
+        starts = [b[xkey] for a, b in zip(rows, rows[1:]) if b.get("stage", 1) != a.get("stage", 1)]
+        for axis in ax:
+            for x in starts:
+                axis.axvline(x, ls=":", color="gray", lw=1)
     ax[0].set_xlabel(xlabel), ax[0].set_ylabel("decayed CE"), ax[0].legend(), ax[0].grid(alpha=0.3)
     ax[1].set_xlabel(xlabel), ax[1].set_ylabel("simulated acceptance length (T=0)"), ax[1].grid(alpha=0.3)
     fig.suptitle(title)

@@ -17,6 +17,20 @@ def save_state(out: Path, state: dict) -> None:
     os.replace(tmp, Path(out) / "state.pt")
 
 
+def read_log(path: Path) -> list[dict]:
+    """The rows of a JSONL log; none if it does not exist."""
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_log(path: Path, rows: list[dict]) -> None:
+    """Replace a JSONL log atomically (a temporary file and a rename)."""
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
 def append_log(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -25,5 +39,4 @@ def append_log(path: Path, row: dict) -> None:
 def truncate_log(path: Path, step: int) -> None:
     """Drop the lines logged after `step` (a run killed between two checkpoints)."""
     if Path(path).exists():
-        rows = [l for l in Path(path).read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        Path(path).write_text("".join(l + "\n" for l in rows))
+        write_log(path, [r for r in read_log(path) if r["step"] <= step])

@@ -35,7 +35,11 @@ from .evaluate import Evaluator
 from .features import FeatureSource, check_data
 from .flops import StepFlops
 from .losses import TargetHead
-from .runstate import append_log, save_state, truncate_log
+from .runstate import append_log, read_log, save_state, truncate_log, write_log
+
+#: in an exported drafter: the log rows of every stage behind it, each with its `stage` (1, 2, ...),
+#: so that a stage continued from it (`drafter.init_from`) extends one training curve
+CURVE_LOG = "training_log.jsonl"
 
 
 def samples_seen(checkpoint: str) -> int:
@@ -113,12 +117,19 @@ class Trainer:
         self.batch_tokens = 0  # tokens of the last batch's sequences (its pace in the log)
         # sequences seen before this run: a stage continued from a checkpoint extends its curve
         self.samples_before = samples_seen(d.init_from) if d.init_from else 0
+        self.earlier = read_log(Path(d.init_from) / CURVE_LOG) if d.init_from else []
+        self.stage = 1 + max((r.get("stage", 0) for r in self.earlier), default=0)
         self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
         self._resume()
 
     def export(self, path: Path) -> None:
         self.family.save(path, self.model, {**self.family.checkpoint_extra(self.cfg.drafter), **self.provenance()})
+        write_log(Path(path) / CURVE_LOG, self.curve_rows())
+
+    def curve_rows(self) -> list[dict]:
+        """The earlier stages' log rows and this run's, each marked with its stage."""
+        return self.earlier + [{**r, "stage": self.stage} for r in read_log(self.log_path)]
 
     def provenance(self) -> dict:
         return {
@@ -208,6 +219,10 @@ class Trainer:
             disable=not progress,
         )
         last_eval = None
+        if self.step == 0 and self.cfg.drafter.init_from and not self.earlier and self.eval_samples:
+            # a warm start whose checkpoint carries no curve: its held-out figures open this one
+            opening = {"stage": self.stage - 1, "step": 0, "samples_seen": self.samples_before}
+            self.earlier = [{**opening, **self.evaluate()}]
         flops = StepFlops()
         finished_on_start = self.step >= o.steps
         budget_from = (
@@ -274,6 +289,7 @@ class Trainer:
             "order": self.order,
             "cursor": self.cursor,
             "train_seconds": self.train_seconds,
+            "earlier": self.earlier,
             "budget_steps": self.cfg.optim.steps if self.budget_fixed else None,
             "gen": self.gen.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -299,6 +315,7 @@ class Trainer:
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
         self.train_seconds = st.get("train_seconds", 0.0)
+        self.earlier = st.get("earlier", self.earlier)
         if self.cfg.optim.time_budget_s and st.get("budget_steps"):  # the steps fixed before the stop
             self.cfg.optim.steps, self.budget_fixed = st["budget_steps"], True
         self.gen.set_state(st["gen"])
@@ -310,4 +327,4 @@ class Trainer:
     def plot(self) -> Optional[Path]:
         from .plots import training_curve
 
-        return training_curve(self.log_path, self.out / "curve.png", title=f"{self.cfg.method} training")
+        return training_curve(self.curve_rows(), self.out / "curve.png", title=f"{self.cfg.method} training")
