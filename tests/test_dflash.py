@@ -483,6 +483,31 @@ def test_online_features_match_stored_and_token_only_data_trains(tiny_data, tmp_
     assert (tmp_path / "t" / "drafter" / "model.safetensors").exists()
 
 
+def test_cached_features_are_the_online_ones_and_are_read_back(tiny_data, tmp_path, monkeypatch):
+    """`data.features: cached` computes a sequence's features once, as online mode does, and later
+    reads them from the cache directory (no target forward), in this run and in any later one."""
+    target, root = tiny_data
+    over = {"optim.steps": 1, "data.features": "cached", "data.feature_cache": str(tmp_path / "cache")}
+    online_cfg = _cfg(root, tmp_path / "o", **{"optim.steps": 1, "data.features": "online"})
+    online = Trainer(online_cfg, target, RegeneratedData(root))
+    cached = Trainer(_cfg(root, tmp_path / "c", **over), target, RegeneratedData(root))
+    samples = online.train_samples[:5]
+    want = online.features(samples)
+    for a, b in zip(want, cached.features(samples)):
+        assert torch.equal(a, b)
+    assert len(list((tmp_path / "cache").glob("*/*/*.safetensors"))) == 5
+
+    def no_forward(*a, **k):
+        raise AssertionError("the target ran on a cached sequence")
+
+    monkeypatch.setattr(target, "prefill", no_forward)
+    again = Trainer(_cfg(root, tmp_path / "d", **over), target, RegeneratedData(root))
+    for a, b in zip(want, again.features(samples)):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError, match="cached sequence"):
+        again.features(online.train_samples[5:6])
+
+
 def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
     """`dcoco data pack` keeps every sample's ids, prompt length and ending in 2 bytes per token;
     packing again appends only new samples as a new chunk (committed chunks never change); other

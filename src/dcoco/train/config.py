@@ -29,8 +29,12 @@ class DataSection(_Section):
     eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
     eval_samples: int = 48  # at most this many of them are evaluated
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
-    # target forward per batch (SpecForge's online mode: token-only data, cheap on a GPU, slow on a CPU)
-    features: Literal["stored", "online"] = "stored"
+    # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a
+    # step on a CPU); cached: online the first time a sequence comes, then read from `feature_cache`
+    features: Literal["stored", "online", "cached"] = "stored"
+    # data.features=cached: the cache directory (grows by the features of every sequence seen, bf16:
+    # about 5.8 KB per token for 5 taps of SmolLM2); reused by later runs and stages on the same data
+    feature_cache: str = "feature-cache"
 
 
 class CommonDrafterSection(_Section):

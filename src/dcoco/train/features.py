@@ -1,12 +1,18 @@
 """The target features a drafter loss reads for a batch of regenerated samples: the drafter's taps,
 then (for losses that recompute the target's distribution) the last layer, either as stored by
-`dcoco data regenerate` or recomputed by one target forward per batch (`data.features: online`)."""
+`dcoco data regenerate`, recomputed by a target forward per sequence (`data.features: online`), or
+recomputed once and then read from a disk cache (`data.features: cached`)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ..errors import ConfigError
 from .data import RegeneratedUnion
@@ -23,11 +29,49 @@ def check_data(target, data: RegeneratedUnion, online: bool) -> None:
         )
 
 
+class FeatureCache:
+    """Target features of token sequences on disk, addressed by the tokens themselves. On a CPU the
+    target forward is most of a training step; from the second epoch on, and for every later stage
+    on the same data, the cache reads the features instead. Each `identity` (target shape, dtype,
+    taps) has a directory of its own under `root`, so no run is ever served another's features."""
+
+    def __init__(self, root: str | Path, identity: dict, device: torch.device | str = "cpu"):
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.root, self.device = Path(root) / key, device
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "identity.json").write_text(json.dumps(identity, indent=2) + "\n")
+
+    def _path(self, ids: Sequence[int]) -> Path:
+        key = hashlib.sha256(torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()).hexdigest()
+        return self.root / key[:2] / f"{key[2:]}.safetensors"
+
+    def get(self, ids: Sequence[int]) -> Optional[torch.Tensor]:
+        path = self._path(ids)
+        return load_file(path, device=str(self.device))["features"] if path.exists() else None
+
+    def put(self, ids: Sequence[int], features: torch.Tensor) -> None:
+        """Written through a temporary file and a rename: a kill never leaves a torn entry."""
+        path = self._path(ids)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({"features": features.contiguous().cpu()}, tmp)
+        os.replace(tmp, path)
+
+
 class FeatureSource:
     """Features (n, F) per sample: the columns of `taps`, then the last layer's when `last_layer`.
-    `split` is the number of drafter columns (the last layer's follow)."""
+    `split` is the number of drafter columns (the last layer's follow). With a `cache` directory,
+    recomputed features are kept there and read back the next time the same tokens come."""
 
-    def __init__(self, target, data: RegeneratedUnion, taps: Sequence[int], last_layer: bool, online: bool):
+    def __init__(
+        self,
+        target,
+        data: RegeneratedUnion,
+        taps: Sequence[int],
+        last_layer: bool,
+        online: bool,
+        cache: Optional[str | Path] = None,
+    ):
         self.target, self.data, self.online = target, data, online
         check_data(target, data, online)
         taps, L, H = list(taps), target.num_layers, target.hidden_size
@@ -44,17 +88,30 @@ class FeatureSource:
         wanted = taps + ([L] if last_layer else [])
         self.split = len(taps) * H
         self.columns = torch.cat([torch.arange(i, i + H) for i in (self.data_taps.index(t) * H for t in wanted)])
+        self.cache = None
+        if cache is not None and online:
+            shape = {k: v for k, v in data.manifest.items() if k.startswith("target_")}
+            identity = {**shape, "dtype": str(target.dtype), "taps": wanted}
+            self.cache = FeatureCache(cache, identity, target.device)
 
     def _select(self, f: torch.Tensor) -> torch.Tensor:
         cols = self.columns
         return f[:, cols.to(f.device)] if f.shape[1] != len(cols) else f
 
     def __call__(self, samples: list[dict]) -> list[torch.Tensor]:
-        """Per sample, the features of its tokens: stored, or recomputed by one batched target forward
-        over the (truncated) sequences at the data's taps."""
+        """Per sample, the features of its tokens: stored, or recomputed by a target forward over each
+        (truncated) sequence at the data's taps. One forward per sequence, not one padded batch:
+        a batch pads every sequence to the longest, a third of its work on the regenerated corpus."""
         if not self.online:
             return [self._select(self.data.features(s))[: len(s["input_ids"])] for s in samples]
-        with self.target.tapping(self.data_taps):
-            _, out = self.target.prefill([s["input_ids"] for s in samples])
-        feats = out.features.clone()  # out of inference mode: the drafter's inputs need autograd-able tensors
-        return [self._select(f[: len(s["input_ids"])]) for f, s in zip(feats, samples)]
+        out = [self.cache.get(s["input_ids"]) if self.cache else None for s in samples]
+        missing = [i for i, f in enumerate(out) if f is None]
+        if missing:
+            with self.target.tapping(self.data_taps):
+                for i in missing:
+                    ids = samples[i]["input_ids"]
+                    # .clone(): out of inference mode, the drafter's inputs need autograd-able tensors
+                    out[i] = self._select(self.target.prefill([ids])[1].features[0].clone())
+                    if self.cache:
+                        self.cache.put(ids, out[i])
+        return out

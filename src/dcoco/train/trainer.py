@@ -80,7 +80,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         o, d = cfg.optim, cfg.drafter
         torch.manual_seed(o.seed)
-        check_data(target, data, cfg.data.features == "online")
+        online = cfg.data.features != "stored"
+        check_data(target, data, online)
         # at least two response tokens within data.max_length: an anchor and its label
         cut = cfg.data.max_length
         samples = [s for s in data.samples() if min(len(s["input_ids"]), cut) - s["prompt_len"] >= 2]
@@ -97,7 +98,8 @@ class Trainer:
         with torch.device(self.device):  # the drafter, its heads and the loss buffers live by the target
             self.model = build_model(self.family, d, target, source).to(self.device)
         last = self.family.reads_last_layer(d)
-        self.features = FeatureSource(target, data, self.model.cfg.taps, last, cfg.data.features == "online")
+        cache = cfg.data.feature_cache if cfg.data.features == "cached" else None
+        self.features = FeatureSource(target, data, self.model.cfg.taps, last, online, cache)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         for p in target.model.parameters():
