@@ -16,6 +16,7 @@ import time
 import torch
 
 from dcoco.bench.system import git_commit, machine_info
+from dcoco.errors import ConfigError
 from dcoco.target import Target
 from dcoco.train.data import RegeneratedUnion
 
@@ -29,8 +30,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    try:
+        data = RegeneratedUnion(args.data)
+    except ConfigError as e:
+        raise SystemExit(f"feature_forward.py: {e}") from None
     target = Target.from_pretrained(dtype="bfloat16")
-    data = RegeneratedUnion(args.data)
     taps = list(data.manifest["taps"])
     samples = [s["input_ids"][: args.max_length] for s in data.samples()]
     rng = random.Random(0)
