@@ -32,10 +32,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     try:
         data = RegeneratedUnion(args.data)
+        taps = list(data.manifest["taps"])
     except ConfigError as e:
         raise SystemExit(f"feature_forward.py: {e}") from None
     target = Target.from_pretrained(dtype="bfloat16")
-    taps = list(data.manifest["taps"])
     samples = [s["input_ids"][: args.max_length] for s in data.samples()]
     rng = random.Random(0)
     batches = [rng.sample(samples, args.batch_size) for _ in range(args.batches)]
