@@ -5,9 +5,9 @@ stage * W + cp) and P=3 x W=1 (ranks 0-2, rank 3 idle).  Each stage computes a
 stand-in target layer on its zigzag shard, passes activations to the next stage
 with plain ``dist.send`` on the world group (the "schedule"), and taps its
 features to the last stage through a TapChannel.  The last stage consumes the
-microbatches in reverse order, computes the DFlash-style draft loss with ring
-branch attention over its CP group, and compares loss and gradients with the
-single-process run of the same code on the unsharded data.
+microbatches in reverse order, computes the real DFlash loss (`DrafterLoss`
+with a `ContextShard`: ring branch attention over its CP group), and compares
+loss and gradients with the same loss in one process on the padded batch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from parallel_harness import guarded, merge_ranks, metrics_of, run_job
 
 GRIDS = [(2, 2), (3, 1)]  # (P, W)
 MICROBATCHES = [[11, 17], [9, 14, 6]]
-F_DIM, VOCAB, HIDDEN, H, HKV, D, B = 5, 17, 8, 4, 2, 4, 3
+F_DIM, VOCAB, H, HKV, D, B = 8, 17, 4, 2, 4, 3  # F_DIM: the target's hidden size
 MASK_ID = VOCAB - 1
 TOL = 1e-10
 
@@ -47,58 +47,60 @@ def stage_forward(stage, x, target):
     return h, 0.5 * h + 0.1 * z
 
 
-def block_inputs(mb, block_ids):
-    """DFlash block inputs: [anchor token, MASK, ...]; position j predicts token a + j."""
+def make_loss(num_taps):
+    """The real DFlash loss over `num_taps` tapped stages (float64, seeded: the same on every rank)."""
+    from dcoco.drafters.dflash import DFlashConfig, DFlashModel
+    from dcoco.train.losses import DrafterLoss
+
+    torch.manual_seed(1234)
+    cfg = DFlashConfig(
+        hidden_size=F_DIM,
+        intermediate_size=2 * F_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=HKV,
+        head_dim=D,
+        vocab_size=VOCAB,
+        num_target_layers=num_taps,
+        block_size=B,
+        target_layer_ids=list(range(num_taps)),
+        mask_token_id=MASK_ID,
+    )
+    model = DFlashModel(cfg).double()
+    embed = torch.nn.Embedding(VOCAB, F_DIM).double()
+    head = torch.nn.Linear(F_DIM, VOCAB, bias=False).double()
+    return DrafterLoss(model, embed, head, gamma=3.0)
+
+
+def samples_and_anchors(mb):
+    """The microbatch's sequences as samples, and its blocks' anchors grouped by sequence."""
     cu = [0]
     for n in mb["lens"]:
         cu.append(cu[-1] + n)
-    toks, tgts, valid = [], [], []
-    for b in block_ids.tolist():
-        s, a = int(mb["bseq"][b]), int(mb["anch"][b])
-        n_valid = min(B, mb["lens"][s] - a)
-        valid.append(n_valid)
-        for j in range(B):
-            toks.append(int(mb["tokens"][cu[s] + a]) if j == 0 else MASK_ID)
-            tgts.append(int(mb["tokens"][cu[s] + a + j]) if 1 <= j < n_valid else -100)
-    return torch.tensor(toks, dtype=torch.long), torch.tensor(tgts, dtype=torch.long), torch.tensor(valid)
-
-
-def make_layer(num_taps):
-    from dcoco.parallel import StandInDraftLayer
-
-    torch.manual_seed(1234)
-    return StandInDraftLayer(num_taps, F_DIM, HIDDEN, H, HKV, D, VOCAB).double()
-
-
-def mb_loss(layer, mb, features, block_ids, layout, group):
-    from dcoco.parallel import dflash_spec, draft_branch_loss
-
-    toks, tgts, valid = block_inputs(mb, block_ids)
-    spec = dflash_spec(mb["bseq"][block_ids], mb["anch"][block_ids], B, valid_lens=valid, include_anchor=True)
-    return draft_branch_loss(layer, features, toks, tgts, spec, layout, group=group)
+    samples = [{"input_ids": mb["tokens"][a:b].tolist(), "prompt_len": 0} for a, b in zip(cu, cu[1:])]
+    anchors = [sorted(int(a) for a, s in zip(mb["anch"], mb["bseq"]) if int(s) == i) for i in range(len(cu) - 1)]
+    return samples, anchors
 
 
 def reference(P, seed):
-    """Single process, unsharded, no pipeline."""
-    from dcoco.parallel import ZigzagLayout
-
+    """Single process, unsharded, no pipeline: the padded batch of `DrafterLoss` itself."""
     target, mbs = make_data(seed, P)
-    layer = make_layer(P)
+    loss = make_loss(P)
     total = 0.0
     for mb in mbs:
         x, taps = mb["tokens"], []
         for s in range(P):
             x, tap = stage_forward(s, x, target)
             taps.append(tap)
-        total = total + mb_loss(
-            layer, mb, torch.cat(taps, 1), torch.arange(len(mb["anch"])), ZigzagLayout(mb["lens"], 1), None
-        )
+        samples, anchors = samples_and_anchors(mb)
+        value, _ = loss(loss.batch_at(samples, list(torch.split(torch.cat(taps, 1), mb["lens"])), anchors))
+        total = total + value
     total.backward()
-    return float(total.detach()), {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return float(total.detach()), {n: p.grad.clone() for n, p in loss.model.named_parameters()}
 
 
 def run_grid(rank, P, W, seed):
-    from dcoco.parallel import TapChannel, ZigzagLayout, allreduce_gradients, branch_owners
+    from dcoco.parallel import ContextShard, TapChannel, ZigzagLayout, allreduce_gradients
 
     target, mbs = make_data(seed, P)
     cp_groups = [dist.new_group([s * W + c for c in range(W)]) for s in range(P)]
@@ -136,23 +138,27 @@ def run_grid(rank, P, W, seed):
             else:
                 own_taps[m] = tap
         if stage == P - 1:
-            layer = make_layer(P)
+            loss = make_loss(P)
             total = 0.0
             for m in reversed(range(len(mbs))):  # consume microbatches out of order
                 mb = mbs[m]
                 layout = ZigzagLayout(mb["lens"], W)
                 feats = [taps[(s, c)].recv(m) for s in range(P - 1)] + [own_taps[m]]
-                owned = (branch_owners(layout, mb["bseq"], mb["anch"]) == c).nonzero().squeeze(1)
-                total = total + mb_loss(layer, mb, torch.cat(feats, 1), owned, layout, cp_groups[stage])
+                shard = ContextShard(layout, cp_groups[stage])
+                shard.attach(loss)
+                samples, anchors = samples_and_anchors(mb)
+                value, _ = loss(shard.batch(samples, torch.cat(feats, 1), anchors, B))
+                total = total + value
             total.backward()
-            allreduce_gradients(layer, cp_groups[stage])
-            loss = total.detach().clone()
-            dist.all_reduce(loss, group=cp_groups[stage])
+            allreduce_gradients(loss.model, cp_groups[stage])
+            value = total.detach().clone()
+            dist.all_reduce(value, group=cp_groups[stage])
             ref_loss, ref_grads = reference(P, seed)
+            params = list(loss.model.named_parameters())
             out = {
-                "loss_err": abs(float(loss) - ref_loss),
-                "grad_err": max(float((p.grad - ref_grads[n]).abs().max()) for n, p in layer.named_parameters()),
-                "grad_norm": float(sum(p.grad.norm() ** 2 for p in layer.parameters()) ** 0.5),
+                "loss_err": abs(float(value) - ref_loss),
+                "grad_err": max(float((p.grad - ref_grads[n]).abs().max()) for n, p in params),
+                "grad_norm": float(sum(p.grad.norm() ** 2 for _, p in params) ** 0.5),
             }
     for ch in taps.values():
         ch.close()

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
-from ..nn.layers import RMSNorm
+from ..nn.layers import RMSNorm, at_least_float32
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
 from .dflash import BlockDrafter, DFlashConfig, DFlashModel, mixed_q, shortlist
@@ -108,7 +108,7 @@ class Corrector(nn.Module):
         z = self.candidates(emb, hid)
         za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
         # every term but W_ab (z_a * z_b) depends on one side only: sum it per side, broadcast once
-        lg = logits.float()
+        lg = at_least_float32(logits)
         ls = lg - torch.logsumexp(lg, -1, keepdim=True)
         wl = self.w_l.weight  # columns: l_a, l_b, log-softmax l_a, log-softmax l_b
         side_a = self.w_a(za) + F.linear(torch.stack([lg[:, :-1], ls[:, :-1]], -1).to(za.dtype), wl[:, 0::2])

@@ -3,11 +3,17 @@ context plus a query block). Written for clarity and for CPU speed: plain torch 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or float64 when it already is: losses upcast bf16 logits, and the float64
+    exactness tests (context parallel against one process) must not lose digits there."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +61,10 @@ class ContextAttention(nn.Module):
     stream (the target's fused hidden states), the others from the queries themselves. `mask`
     (N, 1, M, T + M), True = visible, encodes everything else: which context slots a query sees and
     the structure among the M queries (one bidirectional block at inference; many blocks, each
-    seeing only itself and the context before its anchor, in training)."""
+    seeing only itself and the context before its anchor, in training). Instead of a mask, `mask`
+    may be a function attend(q, k, v, ctx_k, ctx_v) -> (N, heads, M, head_dim) that replaces the
+    attention itself: context parallelism, where the context K/V are one rank's shard
+    (`dcoco.parallel.draft_loss.ContextShard`)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True):
         super().__init__()
@@ -81,12 +90,15 @@ class ContextAttention(nn.Module):
         sin: torch.Tensor,
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
-        mask: Optional[torch.Tensor],
+        mask: Optional[torch.Tensor | Callable[..., torch.Tensor]],
     ) -> torch.Tensor:
         N, B, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, B, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         kb, vb = self.kv(x, cos, sin)
+        if not (mask is None or isinstance(mask, torch.Tensor)):
+            out = mask(q, kb, vb, ctx_k, ctx_v)
+            return self.o_proj(out.transpose(1, 2).reshape(N, B, self.heads * self.head_dim))
         k = torch.cat([ctx_k, kb], dim=2)
         v = torch.cat([ctx_v, vb], dim=2)
         rep = self.heads // self.kv_heads

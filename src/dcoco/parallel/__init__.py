@@ -17,7 +17,7 @@ from .attention import (
 from .baseline import allgather_attention
 from .branch import BranchSpec, branch_attention, branch_owners, dflash_spec, eagle3_ttt_spec, expand_blocks
 from .comm import CommStats
-from .draft_loss import StandInDraftLayer, allreduce_gradients, draft_branch_loss
+from .draft_loss import ContextShard, allreduce_gradients
 from .errors import (
     BranchSpecError,
     LayoutError,
@@ -39,11 +39,11 @@ __all__ = [
     "BranchSpec",
     "BranchSpecError",
     "CommStats",
+    "ContextShard",
     "FlashAttnKernel",
     "LayoutError",
     "ParallelError",
     "ShapeMismatchError",
-    "StandInDraftLayer",
     "TapChannel",
     "TapChannelError",
     "TapClosedError",
@@ -58,7 +58,6 @@ __all__ = [
     "branch_attention",
     "branch_owners",
     "dflash_spec",
-    "draft_branch_loss",
     "eagle3_ttt_spec",
     "expand_blocks",
     "flash_attn_available",

@@ -1,121 +1,130 @@
-"""Draft-training loss over context-parallel branch attention.
+"""Draft-training losses over context-parallel branch attention.
 
-The real DFlash drafter is written elsewhere; what it needs from scale-out is
-:func:`dcoco.parallel.branch_attention` (q/k/v tensors + a
-:class:`BranchSpec`).  This module wires that call into a complete loss with a
-small attention-only stand-in layer, so that "CP=W with features delivered by
-TapChannel from P pipeline stages gives the single-process loss and gradients"
-can be tested end to end today.
+:class:`ContextShard` runs the real DFlash-family losses (DFlash, DCOCO) with the
+packed sequences split zigzag over a process group: each drafter layer's block
+queries attend to the target-feature context through
+:func:`dcoco.parallel.branch_attention` and the ring.
 
-Normalisation: each rank returns ``local_sum / global_count`` (the count is
-all-reduced without gradient), so the global loss is the SUM of the ranks'
-returns and the gradient of the global loss is the SUM of the ranks' gradients
-(:func:`allreduce_gradients`), exactly as in the single-process run.
+Normalisation: each rank returns its weighted sum over the global weight (the
+weights are all-reduced without gradient, `DrafterLoss.weighted_mean`), so the
+global loss is the SUM of the ranks' returns and its gradient the SUM of the
+ranks' gradients (:func:`allreduce_gradients`), exactly as in one process.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionKernel
-from .branch import BranchSpec, branch_attention
+from .branch import BranchSpec, branch_attention, branch_owners, dflash_spec
 from .comm import CommStats, RingGroup
-from .errors import ShapeMismatchError
+from .errors import ParallelError, ShapeMismatchError
 from .zigzag import ZigzagLayout
 
-__all__ = ["StandInDraftLayer", "draft_branch_loss", "allreduce_gradients"]
-
-IGNORE_INDEX = -100
+__all__ = ["ContextShard", "allreduce_gradients"]
 
 
-class StandInDraftLayer(nn.Module):
-    """Attention-only stand-in for a drafter layer.
+class ContextShard:
+    """One rank's share of a context-parallel DFlash-family loss.
 
-    Context K/V come from the fused target features of the main sequence
-    (EAGLE-3 style fusion of ``num_taps`` tapped layers); branch Q/K/V come from
-    the embeddings of the draft tokens.  Output projection + LM head give logits.
-    """
+    The packed sequences are split zigzag over the group (`layout`): the rank holds the target
+    features of its shard only, and trains the blocks whose anchor it owns (`batch`), so a block
+    needs no feature from elsewhere but the context before its anchor. `attach` sets the loss's
+    `shard`: each drafter layer then attends through the ring (a block's queries see the context
+    before its anchor, on whichever rank it lives, and the block's own slots, which never leave the
+    rank), and the loss's normalisers are summed over the group. The ranks' losses add up to the
+    single-process loss, and their gradients, summed by `allreduce_gradients`, to its gradients."""
 
     def __init__(
         self,
-        num_taps: int,
-        feature_dim: int,
-        hidden: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        vocab_size: int,
+        layout: ZigzagLayout,
+        group=None,
+        *,
+        kernel: AttentionKernel | None = None,
+        stats: CommStats | None = None,
     ):
-        super().__init__()
-        if num_heads % num_kv_heads:
-            raise ShapeMismatchError("num_heads must be a multiple of num_kv_heads")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.feature_dim = num_taps * feature_dim
-        self.fuse = nn.Linear(self.feature_dim, hidden, bias=False)
-        self.embed = nn.Embedding(vocab_size, hidden)
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+        self.layout, self.group, self.kernel, self.stats = layout, group, kernel, stats
+        self.ring = RingGroup(group, layout.world_size)
+        self.rank = self.ring.rank
 
-    def context_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if features.dim() != 2 or features.shape[1] != self.feature_dim:
-            raise ShapeMismatchError(f"features must be [T, {self.feature_dim}], got {tuple(features.shape)}")
-        h = self.fuse(features)
-        shape = (h.shape[0], self.num_kv_heads, self.head_dim)
-        return self.k_proj(h).view(shape), self.v_proj(h).view(shape)
+    def attach(self, loss) -> None:
+        """Make `loss` (a DFlash-family loss) compute this rank's share."""
+        if not getattr(loss, "context_parallel", False):
+            raise ParallelError(
+                f"{type(loss).__name__} cannot run context parallel: it reads the target's distribution "
+                "at positions held by other ranks (DSpark, DCOCO's L1 term) or has no block layout (EAGLE-3)"
+            )
+        loss.shard = self
 
-    def branch_qkv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        e = self.embed(tokens)
-        n = e.shape[0]
-        return (
-            self.q_proj(e).view(n, self.num_heads, self.head_dim),
-            self.k_proj(e).view(n, self.num_kv_heads, self.head_dim),
-            self.v_proj(e).view(n, self.num_kv_heads, self.head_dim),
-        )
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the group, without gradient (a normaliser)."""
+        if self.ring.local or self.ring.size == 1:
+            return x
+        x = x.detach().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
 
-    def logits(self, attn_out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.o_proj(attn_out.reshape(attn_out.shape[0], -1)))
+    def batch(
+        self, samples: Sequence[dict], local_feats: torch.Tensor, anchors: Sequence[Sequence[int]], block_size: int
+    ):
+        """This rank's `Batch`: the token ids of every sequence, packed (1, total) (every rank has
+        them, they are cheap); the features of its shard (1, T_r, F); its blocks' anchors as packed
+        indices (1, A), -1 for a placeholder block when it owns none; their labels (1, A, B-1)."""
+        from ..train.batch import Batch  # the training side: loaded only by ranks that train a drafter
 
+        lens = [len(s["input_ids"]) for s in samples]
+        if tuple(lens) != self.layout.seqlens:
+            raise ShapeMismatchError(f"sequence lengths {lens} are not the layout's {list(self.layout.seqlens)}")
+        if local_feats.dim() != 2 or local_feats.shape[0] != self.layout.local_len(self.rank):
+            raise ShapeMismatchError(
+                f"rank {self.rank} holds {self.layout.local_len(self.rank)} tokens, features have shape "
+                f"{tuple(local_feats.shape)}"
+            )
+        ids = torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples])
+        seq = torch.tensor([i for i, a in enumerate(anchors) for _ in a], dtype=torch.long)
+        pos = torch.tensor([p for a in anchors for p in a], dtype=torch.long)
+        mine = branch_owners(self.layout, seq, pos) == self.rank if seq.numel() else seq.bool()
+        seq, pos = seq[mine], pos[mine]
+        labels = torch.full((max(1, len(seq)), block_size - 1), -100, dtype=torch.long)
+        for j, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+            tgt = torch.as_tensor(samples[s]["input_ids"][p + 1 : p + block_size])
+            labels[j, : len(tgt)] = tgt
+        packed = self.layout.cu_seqlens[seq] + pos if len(seq) else torch.tensor([-1])
+        return Batch(ids.unsqueeze(0), local_feats.unsqueeze(0), packed.unsqueeze(0), labels.unsqueeze(0))
 
-def draft_branch_loss(
-    layer: StandInDraftLayer,
-    features: torch.Tensor,
-    branch_tokens: torch.Tensor,
-    branch_targets: torch.Tensor,
-    spec: BranchSpec,
-    layout: ZigzagLayout,
-    *,
-    group=None,
-    kernel: AttentionKernel | None = None,
-    stats: CommStats | None = None,
-) -> torch.Tensor:
-    """Cross-entropy of the draft tokens of this rank, normalised by the global target count.
+    def hidden(self, model, embed, b) -> torch.Tensor:
+        """Block hidden states (1, A, B, H) of this rank's blocks (`DrafterLoss.hidden` under CP)."""
+        B = model.cfg.block_size
+        anchors = b.anchors[0]
+        packed = anchors.clamp(min=0)
+        seq = torch.searchsorted(self.layout.cu_seqlens[1:], packed, right=True)
+        pos = torch.where(anchors >= 0, packed - self.layout.cu_seqlens[seq], 0)  # placeholder: no context
+        block = torch.full((len(anchors), B), model.cfg.mask_token_id, dtype=torch.long)
+        block[:, 0] = b.ids[0, packed]
+        with torch.no_grad():
+            emb = embed(block.view(1, -1))
+        positions = (pos.unsqueeze(1) + torch.arange(B)).view(1, -1)
+        kv = model.context_kv(b.feats.to(emb.dtype), self.layout.local_positions(self.rank).view(1, -1))
+        h = model(emb, positions, kv, partial(self._attend, dflash_spec(seq, pos, B)))
+        return h.view(1, len(anchors), B, -1)
 
-    Args:
-        features: ``[T_r, num_taps * feature_dim]`` this rank's zigzag shard of
-            the tapped target features.
-        branch_tokens, branch_targets: ``[n]`` draft input ids and targets
-            (``-100`` = no loss) of the branches this rank owns.
-        spec: their :class:`BranchSpec`.
-    """
-    if branch_tokens.shape != branch_targets.shape or branch_tokens.shape[0] != len(spec):
-        raise ShapeMismatchError("branch_tokens, branch_targets and spec must have the same length")
-    k_main, v_main = layer.context_kv(features)
-    bq, bk, bv = layer.branch_qkv(branch_tokens)
-    out = branch_attention(bq, bk, bv, k_main, v_main, spec, layout, group=group, kernel=kernel, stats=stats)
-    logits = layer.logits(out)
-    loss_sum = F.cross_entropy(logits, branch_targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    count = (branch_targets != IGNORE_INDEX).sum().to(logits.dtype)
-    ring = RingGroup(group, layout.world_size)
-    if not ring.local and ring.size > 1:
-        count = count.detach().clone()
-        dist.all_reduce(count, group=group)
-    return loss_sum / count.clamp(min=1)
+    def _attend(self, spec: BranchSpec, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
+        """`ContextAttention`'s attention for one rank: (1, heads, n, d) queries and block K/V, the
+        shard's context K/V (1, kv_heads, T_r, d); branch attention takes them token-major."""
+
+        def rows(x):
+            return x[0].transpose(0, 1).contiguous()
+
+        out = branch_attention(
+            rows(q), rows(k), rows(v), rows(ctx_k), rows(ctx_v), spec, self.layout,
+            group=self.group, kernel=self.kernel, stats=self.stats,
+        )  # fmt: skip
+        return out.transpose(0, 1).unsqueeze(0)
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ...drafters.dcoco import walk_greedy
+from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
 from ..batch import Batch, position_weights
 from .dflash import DrafterLoss
@@ -43,6 +44,11 @@ class DCOCOLoss(DrafterLoss):
         self.corrector_weight, self.l1_weight = corrector_weight, l1_weight
         if l1_weight > 0 and head is None:
             raise ValueError("the corrector's L1 term needs the target head and the last-layer features")
+
+    @property
+    def context_parallel(self) -> bool:
+        """The L1 term reads p_target at every slot, from positions other ranks may hold."""
+        return self.l1_weight == 0
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         full, b = b, self.drafter_features(b)
@@ -131,9 +137,10 @@ class DCOCOLoss(DrafterLoss):
         a, b = where[:, :-1], where[:, 1:]
         valid = present[:, :-1] & present[:, 1:]
         rows = rows_at(scores, a)  # S_p(a*, .)
-        ce = F.cross_entropy(rows.reshape(-1, rows.shape[-1]).float(), b.reshape(-1), reduction="none").view(b.shape)
-        w = self.pair_weights(b.shape[1]) * valid
-        loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+        ce = F.cross_entropy(at_least_float32(rows.reshape(-1, rows.shape[-1])), b.reshape(-1), reduction="none").view(
+            b.shape
+        )
+        loss = self.weighted_mean(ce, self.pair_weights(b.shape[1]) * valid)
         lead = self.model.lead  # the anchor row of anchor_pair is always present: not a recall
         labelled = labels[:, lead:] != -100
         m = {
@@ -171,9 +178,8 @@ class DCOCOLoss(DrafterLoss):
             q, p = torch.softmax(rows, -1), pt[:, first:].gather(2, dest)  # (n, pairs, K)
         valid = pred_present[:, :pairs] & (labels[:, 1 : 1 + pairs] != -100)
         l1 = (q - p).abs().sum(-1)
-        w = self.pair_weights(pairs) * valid
         accept = (torch.minimum(q, p).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
-        return (l1 * w).sum() / w.sum().clamp_min(1e-6), accept.item()
+        return self.weighted_mean(l1, self.pair_weights(pairs) * valid), accept.item()
 
     def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
         """The corrected walk's drafts, and the same drafts uncorrected ("_dflash")."""

@@ -12,12 +12,17 @@ import torch.nn.functional as F
 
 from ...drafters.dflash import DFlashModel, shortlist, training_mask
 from ...errors import ConfigError
+from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
 from ..batch import Batch, make_batch, position_weights
 
 
 class DrafterLoss:
     """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
+
+    # runs under context parallelism (`dcoco.parallel.ContextShard`): reads no feature outside a
+    # block's context
+    context_parallel = True
 
     def __init__(
         self,
@@ -37,6 +42,8 @@ class DrafterLoss:
         self.split, self.head = split, head
         self.draft_vocab_loss = draft_vocab_loss
         self.weights = position_weights(model.cfg.block_size, gamma)
+        # context parallelism: this rank's `dcoco.parallel.ContextShard`, None in a single process
+        self.shard = None
 
     def drafter_features(self, b: Batch) -> Batch:
         """`b` with only the drafter's feature columns (the last layer's feed p_target, not the drafter)."""
@@ -46,6 +53,8 @@ class DrafterLoss:
 
     def hidden(self, b: Batch) -> torch.Tensor:
         """Block hidden states (S, A, B, H)."""
+        if self.shard is not None:
+            return self.shard.hidden(self.model, self.embed, b)
         cfg = self.model.cfg
         S, A = b.anchors.shape
         B, T = cfg.block_size, b.ids.shape[1]
@@ -114,7 +123,15 @@ class DrafterLoss:
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         V = logits.shape[-1]
-        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100, reduction="none")
+        ce = F.cross_entropy(
+            at_least_float32(logits.reshape(-1, V)), labels.reshape(-1), ignore_index=-100, reduction="none"
+        )
         ce = ce.view(labels.shape)
-        w = self.weights.view(1, 1, -1) * (labels != -100)
-        return (ce * w).sum() / w.sum().clamp_min(1e-6)
+        return self.weighted_mean(ce, self.weights.view(1, 1, -1) * (labels != -100))
+
+    def weighted_mean(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """sum(x w) / sum(w). Under context parallelism the denominator is all ranks' sum, so the
+        ranks' losses, and their gradients, add up to the single-process ones."""
+        w = w.to(x.dtype)  # the ranks' partial sums must round as the whole sum does
+        den = w.sum() if self.shard is None else self.shard.global_sum(w.sum())
+        return (x * w).sum() / den.clamp_min(1e-6)

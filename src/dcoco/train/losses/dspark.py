@@ -28,6 +28,8 @@ from .target_head import TargetHead
 
 
 class DSparkLoss(DrafterLoss):
+    context_parallel = False  # p_target at every slot: last-layer features of positions other ranks hold
+
     def __init__(
         self,
         model: DSparkModel,

@@ -1,0 +1,169 @@
+"""The real DFlash-family losses (DFlash, DCOCO) under context parallelism equal the single-process
+loss: the sequences split zigzag over W gloo ranks, each drafter layer attending through the ring.
+In float64 the only difference is the order of the sums: 1e-10. In bfloat16 (the training dtype
+on CPU) the ring's partial softmaxes round differently from one SDPA call, by a few units in the
+last place, as one bf16 process rounds differently from float64. The stated tolerance, against
+the float64 loss and gradients, holds for both the one-process and the context-parallel bf16 runs:
+the loss within BF16_LOSS of itself, every gradient entry within BF16_GRAD of the largest (measured:
+at most 0.9e-3 and 2.2e-2 in one process, 0.4e-3 and 1.0e-2 context parallel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from parallel_harness import guarded, merge_ranks, metrics_of, run_job
+
+HIDDEN, VOCAB, BLOCK, TAPS = 16, 37, 4, [0, 2]
+LENS = [[23, 9, 31], [12, 40]]  # two batches; in the second every anchor is early in one sequence
+TOL = 1e-10
+BF16_LOSS, BF16_GRAD = 2e-3, 3e-2
+METHODS = ["dflash", "dcoco", "dcoco_anchor_pair"]
+
+
+def make_loss(method: str, dtype=torch.float64):
+    """A small drafter and its loss, the same on every rank (seeded)."""
+    from dcoco.drafters.dcoco import DCOCOConfig, DCOCOModel
+    from dcoco.drafters.dflash import DFlashConfig, DFlashModel
+    from dcoco.train.losses import DCOCOLoss, DrafterLoss
+
+    torch.manual_seed(7)
+    cfg = DFlashConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=VOCAB,
+        num_target_layers=4,
+        block_size=BLOCK,
+        target_layer_ids=TAPS,
+        mask_token_id=VOCAB - 1,
+    )
+    if method == "dflash":
+        model = DFlashModel(cfg)
+    else:
+        model = DCOCOModel(cfg, DCOCOConfig(top_k=4, proj_dim=8, hidden=8, anchor_pair=method.endswith("pair")))
+    embed, head = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    for p in [*model.parameters(), *embed.parameters(), *head.parameters()]:  # no zero-initialised block
+        p.data = torch.randn_like(p) * 0.3
+    model, embed, head = model.to(dtype), embed.to(dtype), head.to(dtype)
+    loss_cls = DrafterLoss if method == "dflash" else DCOCOLoss
+    return loss_cls(model, embed, head, gamma=4.0)
+
+
+def make_batch_data(lens: list[int], seed: int, dtype=torch.float64):
+    """Samples, their features (packed) and anchors: as `loss_batch` draws them."""
+    from dcoco.train.batch import sample_anchors
+
+    gen = torch.Generator().manual_seed(seed)
+    samples = [{"input_ids": torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist(), "prompt_len": 2} for n in lens]
+    feats = torch.randn(sum(lens), len(TAPS) * HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+    if seed == 1:  # every block anchored early in sequence 0: most ranks own none
+        anchors = [[2, 3]] + [[] for _ in lens[1:]]
+    else:
+        anchors = [sample_anchors(2, n, 6, gen) for n in lens]
+    return samples, feats, anchors
+
+
+def single_process(method: str, lens: list[int], seed: int, dtype=torch.float64):
+    loss = make_loss(method, dtype)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype)
+    per_seq = list(torch.split(feats, lens))
+    value, _ = loss(loss.batch_at(samples, per_seq, anchors))
+    value.backward()
+    return value.detach(), {n: p.grad.clone() for n, p in loss.model.named_parameters() if p.grad is not None}
+
+
+def sharded(method: str, lens: list[int], seed: int, W: int, group, rank: int, dtype=torch.float64):
+    """This rank's loss and the group-summed gradients."""
+    from dcoco.parallel import ContextShard, ZigzagLayout, allreduce_gradients
+
+    loss = make_loss(method, dtype)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype)
+    layout = ZigzagLayout(lens, W)
+    shard = ContextShard(layout, group)
+    shard.attach(loss)
+    value, _ = loss(shard.batch(samples, layout.shard(feats, shard.rank), anchors, BLOCK))
+    value.backward()
+    total = value.detach().clone()
+    if W > 1:
+        allreduce_gradients(loss.model, group)
+        dist.all_reduce(total, group=group)
+    return total, {n: p.grad for n, p in loss.model.named_parameters() if p.grad is not None}
+
+
+def errors(loss, grads, ref_loss, ref_grads) -> dict:
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    return {
+        "loss_err": abs(float(loss.double() - ref_loss)),
+        "grad_err": max(float((grads[n].double() - g).abs().max()) for n, g in ref_grads.items()),
+        "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()),
+    }
+
+
+def compare(method, lens, seed, W, group, rank):
+    """Context parallel against one process, float64."""
+    return errors(*sharded(method, lens, seed, W, group, rank), *single_process(method, lens, seed))
+
+
+def compare_bf16(method, lens, seed, W, group, rank):
+    """Context parallel and one process, both bf16, against one process in float64."""
+    exact = single_process(method, lens, seed)
+    one = errors(*single_process(method, lens, seed, torch.bfloat16), *exact)
+    cp = errors(*sharded(method, lens, seed, W, group, rank, torch.bfloat16), *exact)
+    return {"loss": float(exact[0]), **{f"one_{k}": v for k, v in one.items()}, **{f"cp_{k}": v for k, v in cp.items()}}
+
+
+def worker(rank: int, world_size: int) -> dict:
+    groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2])}
+    out: dict = {}
+    for W in (2, 3):
+        for method in METHODS:
+            for seed, lens in enumerate(LENS):
+                if rank < W:
+                    guarded(out, f"{method}-W{W}-b{seed}", compare, method, lens, seed, W, groups[W], rank)
+            if rank < W:
+                name = f"{method}-W{W}-bf16"
+                guarded(out, name, compare_bf16, method, LENS[0], 0, W, groups[W], rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return merge_ranks(run_job(worker, 3))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("batch", [0, 1])
+def test_context_parallel_loss_and_gradients_equal_one_process(results, method, W, batch):
+    m = metrics_of(results, f"{method}-W{W}-b{batch}")
+    assert m["loss_err"] < TOL, m
+    assert m["grad_err"] < TOL * max(1.0, m["grad_scale"]), m
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("W", [2, 3])
+def test_context_parallel_in_bfloat16_within_the_stated_tolerance(results, method, W):
+    m = metrics_of(results, f"{method}-W{W}-bf16")
+    for run in ("one", "cp"):
+        assert m[f"{run}_loss_err"] < BF16_LOSS * m["loss"], m
+        assert m[f"{run}_grad_err"] < BF16_GRAD * m[f"{run}_grad_scale"], m
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_one_rank_shard_is_the_single_process_loss(method):
+    """W = 1 (no torch.distributed): the packed single-rank batch gives the padded batch's loss."""
+    m = compare(method, LENS[0], 0, 1, None, 0)
+    assert m["loss_err"] < TOL and m["grad_err"] < TOL * max(1.0, m["grad_scale"]), m
+
+
+def test_losses_that_read_other_ranks_positions_are_refused():
+    from dcoco.parallel import ContextShard, ParallelError, ZigzagLayout
+
+    loss = make_loss("dcoco")
+    loss.l1_weight = 0.5
+    with pytest.raises(ParallelError, match="L1"):
+        ContextShard(ZigzagLayout([5], 1)).attach(loss)
