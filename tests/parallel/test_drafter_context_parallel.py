@@ -76,14 +76,14 @@ def single_process(method: str, lens: list[int], seed: int, dtype=torch.float64)
     return value.detach(), {n: p.grad.clone() for n, p in loss.model.named_parameters() if p.grad is not None}
 
 
-def sharded(method: str, lens: list[int], seed: int, W: int, group, rank: int, dtype=torch.float64):
+def sharded(method: str, lens: list[int], seed: int, W: int, group, rank: int, dtype=torch.float64, attention="ring"):
     """This rank's loss and the group-summed gradients."""
     from dcoco.parallel import ContextShard, ZigzagLayout, allreduce_gradients
 
     loss = make_loss(method, dtype)
     samples, feats, anchors = make_batch_data(lens, seed, dtype)
     layout = ZigzagLayout(lens, W)
-    shard = ContextShard(layout, group)
+    shard = ContextShard(layout, group, attention=attention)
     shard.attach(loss)
     value, _ = loss(shard.batch(samples, layout.shard(feats, shard.rank), anchors, BLOCK))
     value.backward()
@@ -103,9 +103,10 @@ def errors(loss, grads, ref_loss, ref_grads) -> dict:
     }
 
 
-def compare(method, lens, seed, W, group, rank):
+def compare(method, lens, seed, W, group, rank, attention="ring"):
     """Context parallel against one process, float64."""
-    return errors(*sharded(method, lens, seed, W, group, rank), *single_process(method, lens, seed))
+    cp = sharded(method, lens, seed, W, group, rank, attention=attention)
+    return errors(*cp, *single_process(method, lens, seed))
 
 
 def compare_bf16(method, lens, seed, W, group, rank):
@@ -124,6 +125,8 @@ def worker(rank: int, world_size: int) -> dict:
             for seed, lens in enumerate(LENS):
                 if rank < W:
                     guarded(out, f"{method}-W{W}-b{seed}", compare, method, lens, seed, W, groups[W], rank)
+                    name, args = f"{method}-W{W}-b{seed}-allgather", (method, lens, seed, W, groups[W], rank)
+                    guarded(out, name, compare, *args, "allgather")
             if rank < W:
                 name = f"{method}-W{W}-bf16"
                 guarded(out, name, compare_bf16, method, LENS[0], 0, W, groups[W], rank)
@@ -138,8 +141,9 @@ def results():
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("W", [2, 3])
 @pytest.mark.parametrize("batch", [0, 1])
-def test_context_parallel_loss_and_gradients_equal_one_process(results, method, W, batch):
-    m = metrics_of(results, f"{method}-W{W}-b{batch}")
+@pytest.mark.parametrize("attention", ["", "-allgather"])
+def test_context_parallel_loss_and_gradients_equal_one_process(results, method, W, batch, attention):
+    m = metrics_of(results, f"{method}-W{W}-b{batch}{attention}")
     assert m["loss_err"] < TOL, m
     assert m["grad_err"] < TOL * max(1.0, m["grad_scale"]), m
 

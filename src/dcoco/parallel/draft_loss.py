@@ -38,17 +38,25 @@ class ContextShard:
     `shard`: each drafter layer then attends through the ring (a block's queries see the context
     before its anchor, on whichever rank it lives, and the block's own slots, which never leave the
     rank), and the loss's normalisers are summed over the group. The ranks' losses add up to the
-    single-process loss, and their gradients, summed by `allreduce_gradients`, to its gradients."""
+    single-process loss, and their gradients, summed by `allreduce_gradients`, to its gradients.
+
+    `attention="allgather"` is the baseline the ring is measured against: every rank gathers the
+    whole context's features once, projects them to K/V for every layer, and attends its blocks
+    with one masked SDPA call: as exact, one collective instead of a ring pass per layer, but every
+    rank holds the whole context (`scripts/drafter_context_parallel.py` measures both)."""
 
     def __init__(
         self,
         layout: ZigzagLayout,
         group=None,
         *,
+        attention: str = "ring",
         kernel: AttentionKernel | None = None,
         stats: CommStats | None = None,
     ):
-        self.layout, self.group, self.kernel, self.stats = layout, group, kernel, stats
+        if attention not in ("ring", "allgather"):
+            raise ParallelError(f"attention must be 'ring' or 'allgather', got {attention!r}")
+        self.layout, self.group, self.attention, self.kernel, self.stats = layout, group, attention, kernel, stats
         self.ring = RingGroup(group, layout.world_size)
         self.rank = self.ring.rank
 
@@ -109,9 +117,29 @@ class ContextShard:
         with torch.no_grad():
             emb = embed(block.view(1, -1))
         positions = (pos.unsqueeze(1) + torch.arange(B)).view(1, -1)
-        kv = model.context_kv(b.feats.to(emb.dtype), self.layout.local_positions(self.rank).view(1, -1))
-        h = model(emb, positions, kv, partial(self._attend, dflash_spec(seq, pos, B)))
+        if self.attention == "ring":
+            kv = model.context_kv(b.feats.to(emb.dtype), self.layout.local_positions(self.rank).view(1, -1))
+            h = model(emb, positions, kv, partial(self._attend, dflash_spec(seq, pos, B)))
+        else:
+            ctx_seq = torch.repeat_interleave(torch.arange(self.layout.num_seqs), torch.tensor(self.layout.seqlens))
+            ctx_pos = torch.arange(self.layout.total) - self.layout.cu_seqlens[ctx_seq]
+            kv = model.context_kv(self.gather(b.feats[0]).unsqueeze(0).to(emb.dtype), ctx_pos.unsqueeze(0))
+            q_seq, q_lim = seq.repeat_interleave(B), pos.repeat_interleave(B)  # a slot sees positions < anchor
+            ctx = (ctx_seq.unsqueeze(0) == q_seq.unsqueeze(1)) & (ctx_pos.unsqueeze(0) < q_lim.unsqueeze(1))
+            own = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * len(anchors))
+            h = model(emb, positions, kv, torch.cat([ctx, own], dim=1).view(1, 1, len(q_seq), -1))
         return h.view(1, len(anchors), B, -1)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole packed tensor from every rank's shard (no gradient: features are inputs)."""
+        if self.ring.local or self.ring.size == 1:
+            return local
+        lens = self.layout.local_lens()
+        padded = torch.zeros((max(lens),) + tuple(local.shape[1:]), dtype=local.dtype)
+        padded[: local.shape[0]] = local.detach()
+        parts = [torch.empty_like(padded) for _ in lens]
+        dist.all_gather(parts, padded, group=self.group)
+        return self.layout.unshard([p[:n] for p, n in zip(parts, lens)])
 
     def _attend(self, spec: BranchSpec, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
         """`ContextAttention`'s attention for one rank: (1, heads, n, d) queries and block K/V, the
