@@ -44,7 +44,7 @@ from .launch import spawn_local
 from .ring import zigzag_ring_attention
 from .zigzag import ZigzagLayout
 
-__all__ = ["main", "project", "run_benchmark"]
+__all__ = ["PeakRSS", "main", "project", "rss_bytes", "run_benchmark", "trim_heap"]
 
 PUBLISHED = {
     "source": "reference figures quoted in the Scale-out issue",
@@ -57,21 +57,21 @@ PUBLISHED = {
 
 
 # ------------------------------------------------------------------ memory
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _PeakRSS:
+class PeakRSS:
     """Samples the resident set size in a thread; ``peak`` is the maximum seen."""
 
     def __init__(self, interval: float = 1e-3):
-        self.interval, self.peak, self._stop = interval, _rss_bytes(), threading.Event()
+        self.interval, self.peak, self._stop = interval, rss_bytes(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss_bytes())
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(self.interval)
 
     def __enter__(self):
@@ -81,10 +81,10 @@ class _PeakRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss_bytes())
+        self.peak = max(self.peak, rss_bytes())
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     try:
         import ctypes
 
@@ -174,9 +174,9 @@ def _bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
             step(method, None)
             peak = torch.cuda.max_memory_allocated(device) - base
         else:
-            _trim_heap()
-            base = _rss_bytes()
-            with _PeakRSS() as mon:
+            trim_heap()
+            base = rss_bytes()
+            with PeakRSS() as mon:
                 step(method, None)
             peak = mon.peak - base
         res[method] = {
