@@ -171,3 +171,16 @@ def test_losses_that_read_other_ranks_positions_are_refused():
     loss.l1_weight = 0.5
     with pytest.raises(ParallelError, match="L1"):
         ContextShard(ZigzagLayout([5], 1)).attach(loss)
+
+
+def test_a_batch_that_is_not_the_layouts_is_refused():
+    from dcoco.parallel import ContextShard, ParallelError, ShapeMismatchError, ZigzagLayout
+
+    samples, feats, anchors = make_batch_data(LENS[0], 0)
+    shard = ContextShard(ZigzagLayout(LENS[0], 1))
+    with pytest.raises(ShapeMismatchError, match="sequence lengths"):
+        shard.batch(samples[:2], feats, anchors[:2], BLOCK)
+    with pytest.raises(ShapeMismatchError, match="holds 63 tokens"):
+        shard.batch(samples, feats[:-1], anchors, BLOCK)
+    with pytest.raises(ParallelError, match="ring' or 'allgather"):
+        ContextShard(ZigzagLayout(LENS[0], 1), attention="ulysses")
