@@ -105,18 +105,14 @@ class ContextShard:
         packed = self.layout.cu_seqlens[seq] + pos if len(seq) else torch.tensor([-1])
         return Batch(ids.unsqueeze(0), local_feats.unsqueeze(0), packed.unsqueeze(0), labels.unsqueeze(0))
 
-    def hidden(self, model, embed, b) -> torch.Tensor:
+    def hidden(self, loss, b) -> torch.Tensor:
         """Block hidden states (1, A, B, H) of this rank's blocks (`DrafterLoss.hidden` under CP)."""
-        B = model.cfg.block_size
+        model, B = loss.model, loss.model.cfg.block_size
         anchors = b.anchors[0]
         packed = anchors.clamp(min=0)
         seq = torch.searchsorted(self.layout.cu_seqlens[1:], packed, right=True)
         pos = torch.where(anchors >= 0, packed - self.layout.cu_seqlens[seq], 0)  # placeholder: no context
-        block = torch.full((len(anchors), B), model.cfg.mask_token_id, dtype=torch.long)
-        block[:, 0] = b.ids[0, packed]
-        with torch.no_grad():
-            emb = embed(block.view(1, -1))
-        positions = (pos.unsqueeze(1) + torch.arange(B)).view(1, -1)
+        emb, positions = loss.block_inputs(b.ids[:, packed], pos.unsqueeze(0))
         if self.attention == "ring":
             kv = model.context_kv(b.feats.to(emb.dtype), self.layout.local_positions(self.rank).view(1, -1))
             h = model(emb, positions, kv, partial(self._attend, dflash_spec(seq, pos, B)))

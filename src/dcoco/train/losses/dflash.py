@@ -54,21 +54,27 @@ class DrafterLoss:
     def hidden(self, b: Batch) -> torch.Tensor:
         """Block hidden states (S, A, B, H)."""
         if self.shard is not None:
-            return self.shard.hidden(self.model, self.embed, b)
-        cfg = self.model.cfg
+            return self.shard.hidden(self, b)
         S, A = b.anchors.shape
-        B, T = cfg.block_size, b.ids.shape[1]
+        B, T = self.model.cfg.block_size, b.ids.shape[1]
         anc = b.anchors.clamp(min=0)
-        block = torch.full((S, A, B), cfg.mask_token_id, dtype=torch.long)
-        block[:, :, 0] = b.ids.gather(1, anc)
-        positions = (anc.unsqueeze(2) + torch.arange(B)).view(S, A * B)
+        emb, positions = self.block_inputs(b.ids.gather(1, anc), anc)
         ctx_pos = torch.arange(T).unsqueeze(0).expand(S, T)
-        with torch.no_grad():
-            emb = self.embed(block.view(S, A * B))
         kv = self.model.context_kv(b.feats.to(emb.dtype), ctx_pos)
         mask = training_mask(b.anchors, T, B)
         h = self.model(emb, positions, kv, mask)
         return h.view(S, A, B, -1)
+
+    def block_inputs(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor):
+        """Embeddings (S, A*B, H) and positions (S, A*B) of blocks [anchor, MASK, ...] for anchors
+        (S, A) of the given tokens at the given positions."""
+        S, A = anchor_tokens.shape
+        B = self.model.cfg.block_size
+        block = torch.full((S, A, B), self.model.cfg.mask_token_id, dtype=torch.long)
+        block[:, :, 0] = anchor_tokens
+        with torch.no_grad():
+            emb = self.embed(block.view(S, A * B))
+        return emb, (anchor_positions.unsqueeze(2) + torch.arange(B)).view(S, A * B)
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         h = self.hidden(self.drafter_features(b))
