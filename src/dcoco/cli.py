@@ -515,10 +515,14 @@ def cmd_data_prompts(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train.config import load_config
+    from .parallel.launch import launched, torchrun
+    from .train.config import check_context_parallel, load_config
     from .train.run import train
 
     cfg = load_config(args.config, args.overrides)
+    check_context_parallel(cfg.method, cfg.drafter, cfg.parallel, cfg.target.device)
+    if cfg.parallel.context > 1 and not launched():  # this command again, one process per rank
+        return torchrun(cfg.parallel.context, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
     train(cfg)
     return 0
 
@@ -597,6 +601,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to start this command again under a launcher
     warnings.formatwarning = lambda message, *_a, **_k: f"dcoco: warning: {message}\n"  # one line, no source
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # long jobs save their work on a plain kill too
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background

@@ -105,6 +105,14 @@ class ContextShard:
         packed = self.layout.cu_seqlens[seq] + pos if len(seq) else torch.tensor([-1])
         return Batch(ids.unsqueeze(0), local_feats.unsqueeze(0), packed.unsqueeze(0), labels.unsqueeze(0))
 
+    def share(self, samples: Sequence[dict], feats: Sequence[torch.Tensor], anchors, block_size: int):
+        """`batch` from every sequence's features (n_i <= len_i, F) (this rank keeps its shard's
+        rows; a sequence's missing last rows are never context: no block anchors there)."""
+        full = torch.cat(
+            [torch.nn.functional.pad(f, (0, 0, 0, len(s["input_ids"]) - f.shape[0])) for s, f in zip(samples, feats)]
+        )
+        return self.batch(samples, self.layout.shard(full, self.rank), anchors, block_size)
+
     def hidden(self, loss, b) -> torch.Tensor:
         """Block hidden states (1, A, B, H) of this rank's blocks (`DrafterLoss.hidden` under CP)."""
         model, B = loss.model, loss.model.cfg.block_size

@@ -1,6 +1,11 @@
-"""Spawn a local gloo job on loopback (tests and the CPU benchmark).
+"""Starting distributed jobs: the commands' own (`torchrun`, `join_launched_job`) and a local
+gloo job on loopback for tests and the CPU benchmark (`spawn_local`).
 
-Why not plain ``mp.spawn``: it joins forever, so one rank stuck in a receive
+`dcoco train` / `dcoco rl` with `parallel.context` > 1 start themselves again under torch's own
+launcher (`torch.distributed.run`), one process per rank; each process then joins the job from the
+launcher's environment (gloo on CPU).
+
+Why not plain ``mp.spawn`` for tests: it joins forever, so one rank stuck in a receive
 hangs the caller.  :func:`spawn_local` joins with a deadline, kills only the
 processes it started, and returns each rank's return value.
 """
@@ -11,14 +16,78 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_local"]
+from .errors import WorldSizeMismatchError
+
+__all__ = ["free_port", "join_launched_job", "launched", "spawn_local", "torchrun"]
+
+
+def launched() -> bool:
+    """Whether this process is a rank of a job started by torch's launcher."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def torchrun(nproc: int, argv: Sequence[str], log_dir: str, module: str = "dcoco.cli") -> int:
+    """Run `python -m module argv...` as `nproc` ranks of one job on this machine through torch's
+    own launcher (`torch.distributed.run`'s `elastic_launch`, standalone rendezvous). Rank 0 keeps
+    the terminal; the other ranks' output goes to `log_dir/<job>/attempt_0/<rank>/`. Returns 0, or
+    the exit status of the first rank that failed (a rank prints its own one-line error)."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own tracebacks
+    os.makedirs(log_dir, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nproc)}),
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", module, *argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if rank != 0:
+            print(f"dcoco: error: rank {rank} failed (exit {failure.exitcode}); its output is under {log_dir}",
+                  file=sys.stderr)  # fmt: skip
+        return failure.exitcode if failure.exitcode > 0 else 1
+    except KeyboardInterrupt:  # the launcher has passed the signal on: the ranks saved and stopped
+        return 130
+    return 0
+
+
+def join_launched_job(world_size: int, timeout_s: float = 1800.0) -> None:
+    """Join the job this process was launched in (gloo, CPU tensors): it must have `world_size` ranks."""
+    if dist.is_initialized():
+        size = dist.get_world_size()
+    elif not launched():
+        raise WorldSizeMismatchError(
+            f"{world_size} context-parallel ranks are needed; run the dcoco command itself (it starts them) "
+            f"or torchrun --nproc-per-node {world_size}"
+        )
+    else:
+        size = int(os.environ["WORLD_SIZE"])
+    if size != world_size:
+        raise WorldSizeMismatchError(f"the job has {size} processes, the config asks for {world_size}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def free_port() -> int:

@@ -85,11 +85,19 @@ def make_batch(samples: list[dict], feats: list[torch.Tensor], anchors: list[lis
     return Batch(ids, fx, anc, labels)
 
 
+def batch_anchors(samples: list[dict], n_anchors: int, gen: torch.Generator) -> list[list[int]]:
+    """Each sample's DFlash anchors (`sample_anchors`), drawn from `gen` in sample order."""
+    return [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
+
+
 def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator):
     """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
     features: the loss's own layout when it has a `make_batch` hook (EAGLE-3), else DFlash
-    blocks (`batch_at`) at `n_anchors` anchors per sequence sampled from `gen`."""
+    blocks (`batch_at`) at `n_anchors` anchors per sequence sampled from `gen`. Under context
+    parallelism (`loss.shard`), this rank's share of the same blocks (`ContextShard.loss_batch`)."""
     if hasattr(loss, "make_batch"):
         return loss.make_batch(samples, feats, n_anchors, gen)
-    anchors = [sample_anchors(s["prompt_len"], len(s["input_ids"]), n_anchors, gen) for s in samples]
+    anchors = batch_anchors(samples, n_anchors, gen)
+    if getattr(loss, "shard", None) is not None:
+        return loss.shard.share(samples, feats, anchors, loss.model.cfg.block_size)
     return loss.batch_at(samples, feats, anchors)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ..errors import ConfigError
 from ..families import DEFAULT_TRAINED, FAMILIES, trained_families
@@ -94,6 +94,30 @@ class RunSection(_Section):
     flops_every: int = 10  # count the matmul FLOPs of every N-th step (logs gflop, tflops); 0: never
 
 
+class ParallelSection(_Section):
+    # context parallelism of the drafter loss: each step's sequences, packed, are split zigzag over
+    # this many processes (started with torch's launcher, gloo); a process holds the target
+    # features of its shard and trains the blocks anchored in it, whose queries see the rest of
+    # their context through ring branch attention (docs/scale_out.md). DFlash-family losses only
+    context: int = Field(1, ge=1)
+    attention: Literal["ring", "allgather"] = "ring"  # allgather: every rank gathers all the features
+
+
+def check_context_parallel(method: str, drafter, parallel: ParallelSection, device: str) -> None:
+    """A one-line `ConfigError` where `parallel.context` cannot run (before any process starts)."""
+    from ..families import get_family
+
+    if parallel.context == 1:
+        return
+    if get_family(method).reads_last_layer(drafter):
+        raise ConfigError(
+            f"parallel.context={parallel.context}: the {method} loss reads the target's distribution at positions "
+            "other ranks hold; context parallelism runs dflash, and dcoco with drafter.dcoco.corrector_l1_weight=0"
+        )
+    if not device.startswith("cpu"):
+        raise ConfigError(f"parallel.context runs on CPU processes (gloo) only, not on {device}")
+
+
 def check_trained_method(v: str) -> str:
     """A trained family's name (the registry's), for `method` fields."""
     if v not in trained_families():
@@ -108,6 +132,7 @@ class TrainConfig(_Section):
     drafter: DrafterSection = DrafterSection()
     optim: OptimSection = OptimSection()
     run: RunSection = RunSection()
+    parallel: ParallelSection = ParallelSection()
 
 
 def _set(tree: dict, dotted: str, value) -> None:

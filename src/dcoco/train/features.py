@@ -50,10 +50,11 @@ class FeatureCache:
         return load_file(path, device=str(self.device))["features"] if path.exists() else None
 
     def put(self, ids: Sequence[int], features: torch.Tensor) -> None:
-        """Written through a temporary file and a rename: a kill never leaves a torn entry."""
+        """Written through a temporary file and a rename: a kill never leaves a torn entry, and
+        processes writing the same entry at once (context-parallel ranks) never share a file."""
         path = self._path(ids)
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         save_file({"features": features.contiguous().cpu()}, tmp)
         os.replace(tmp, path)
 

@@ -8,6 +8,11 @@ uniformly over response positions; `dcoco.train.batch`). Every step logs its pac
 sequences, `tokens_per_s`: their tokens); every `run.flops_every` steps also the matmul work it did
 (`gflop`, `dcoco.train.flops`) and the TFLOPS achieved.
 
+Context parallelism (`parallel.context` = W > 1): W processes run this loop in step (same seed,
+data order and anchors); each trains its share of every batch (`dcoco.parallel.ContextShard`), the
+gradients are summed over the processes before clipping, so every process takes the same update.
+Process 0 alone evaluates, logs and saves.
+
 Resume: `run.out/state.pt` holds the model, optimizer, scheduler, step, data order and every RNG
 state; it is replaced atomically every `checkpoint_every` steps, so a killed run continues from
 there and reaches the same weights as an uninterrupted one.
@@ -24,12 +29,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..bench.system import device_label
 from ..errors import ConfigError
 from ..families import LossParts, ModelSource, build_model, get_family
 from .batch import Batch, is_eval_sample, loss_batch, token_counts, truncate
-from .config import TrainConfig
+from .config import TrainConfig, check_context_parallel
 from .data import RegeneratedUnion
 from .evaluate import Evaluator
 from .features import FeatureSource, check_data
@@ -109,6 +115,14 @@ class Trainer:
         )
         with torch.device(self.device):
             self.loss = self.family.build_loss(self.model, parts, d)
+        p = cfg.parallel
+        self.context, self.rank = p.context, 0  # context-parallel processes, and this one's rank
+        if p.context > 1:
+            from ..parallel.launch import join_launched_job
+
+            check_context_parallel(cfg.method, d, p, str(self.device))
+            join_launched_job(p.context)
+            self.rank = dist.get_rank()
         self.evaluator = Evaluator(self.loss, self.features, self.eval_samples, cfg.data.max_length, self.autocast)
         self.opt = drafter_optimizer(self.model, o.lr, o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
@@ -173,6 +187,11 @@ class Trainer:
             self.cursor += 1
         samples = [truncate(s, self.cfg.data.max_length) for s in chosen]
         self.batch_tokens = sum(len(s["input_ids"]) for s in samples)
+        if self.context > 1:
+            from ..parallel import ContextShard, ZigzagLayout
+
+            layout = ZigzagLayout([len(s["input_ids"]) for s in samples], self.context)
+            ContextShard(layout, attention=self.cfg.parallel.attention).attach(self.loss)
         return loss_batch(self.loss, samples, self.features(samples), o.anchors_per_seq, self.gen)
 
     # -- loop --------------------------------------------------------------------------------
@@ -190,18 +209,34 @@ class Trainer:
             loss, extras = self.loss(batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        metrics = extras.get("metrics", {})
+        if self.context > 1:
+            from ..parallel import allreduce_gradients
+
+            allreduce_gradients(self.model)
+            loss, metrics = self._summed(loss, metrics)
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.opt.step()
         self.sched.step()
         self.step += 1
         out = {"loss": loss.item(), "grad_norm": gnorm.item(), "lr": self.sched.get_last_lr()[0]}
-        out.update(extras.get("metrics", {}))
+        out.update(metrics)
         return out
+
+    @staticmethod
+    def _summed(loss: torch.Tensor, metrics: dict) -> tuple[torch.Tensor, dict]:
+        """The loss and its logged terms (`*_loss`) summed over the context-parallel processes (each
+        holds its share); the other metrics are ratios of one process's blocks and are left out."""
+        keys = [k for k in metrics if k.endswith("_loss")]
+        total = torch.tensor([float(loss.detach())] + [float(metrics[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(total)
+        return total[0], dict(zip(keys, total[1:].tolist()))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out figures (`Evaluator`): random anchors and τ as greedy decoding realizes it."""
         self.model.eval()
+        self.loss.shard = None  # one process evaluates alone
         try:
             with torch.device(self.device):
                 return {**self.evaluator.random_anchors(), **self.evaluator.decoded()}
@@ -218,10 +253,11 @@ class Trainer:
             desc=f"train {self.cfg.method}",
             unit="step",
             file=sys.stderr,
-            disable=not progress,
+            disable=not progress or not self.lead,
         )
         last_eval = None
-        if self.step == 0 and self.cfg.drafter.init_from and not self.earlier and self.eval_samples:
+        evaluates = bool(self.eval_samples) and self.lead
+        if self.step == 0 and self.cfg.drafter.init_from and not self.earlier and evaluates:
             # a warm start whose checkpoint carries no curve: its held-out figures open this one
             opening = {"stage": self.stage - 1, "step": 0, "samples_seen": self.samples_before}
             self.earlier = [{**opening, **self.evaluate()}]
@@ -246,7 +282,7 @@ class Trainer:
                     self._fit_time_budget(budget_from)
                     m["steps_from_time_budget"] = o.steps
                     bar.total, budget_from = o.steps, None
-                if self.eval_samples and (self.step % r.eval_every == 0 or self.step == o.steps):
+                if evaluates and (self.step % r.eval_every == 0 or self.step == o.steps):
                     last_eval = self.evaluate()
                     m.update(last_eval)
                 self._log(m)
@@ -263,9 +299,15 @@ class Trainer:
             raise
         finally:
             bar.close()
-        if finished_on_start:  # started again after the last step: re-export (e.g. new inference defaults)
+        if finished_on_start and self.lead:  # started again after the last step: re-export (e.g. new defaults)
             self.export(self.out / "drafter")
-        self.plot()
+        if self.lead:
+            self.plot()
+
+    @property
+    def lead(self) -> bool:
+        """Whether this process evaluates, logs and saves (the only one, or rank 0 of the job)."""
+        return self.rank == 0
 
     def _fit_time_budget(self, since: tuple[int, float]) -> None:
         """Set `optim.steps` so that training ends about `time_budget_s` after it started (evaluation
@@ -274,12 +316,17 @@ class Trainer:
         elapsed = time.time() - since[1]
         pace = elapsed / (self.step - since[0])
         o.steps = max(self.step + 1, self.step + int((o.time_budget_s - elapsed) / pace))
+        if self.context > 1:  # every process stops at rank 0's count
+            steps = torch.tensor([o.steps])
+            dist.broadcast(steps, 0)
+            o.steps = int(steps)
         self.budget_fixed = True
         print(f"time budget {o.time_budget_s:.0f}s at {pace:.3f}s/step: training for {o.steps} steps", file=sys.stderr)
 
     # -- persistence -----------------------------------------------------------------------------
     def _log(self, m: dict) -> None:
-        append_log(self.log_path, m)
+        if self.lead:
+            append_log(self.log_path, m)
 
     def state(self) -> dict:
         return {
@@ -300,8 +347,9 @@ class Trainer:
         }
 
     def save(self) -> None:
-        save_state(self.out, self.state())
-        self.export(self.out / "drafter")
+        if self.lead:
+            save_state(self.out, self.state())
+            self.export(self.out / "drafter")
 
     def _resume(self) -> None:
         path = self.out / "state.pt"
@@ -323,8 +371,9 @@ class Trainer:
         self.gen.set_state(st["gen"])
         torch.set_rng_state(st["torch_rng"])
         random.setstate(st["py_rng"])
-        truncate_log(self.log_path, self.step)
-        print(f"resumed from step {self.step}", file=sys.stderr)
+        if self.lead:
+            truncate_log(self.log_path, self.step)
+            print(f"resumed from step {self.step}", file=sys.stderr)
 
     def plot(self) -> Optional[Path]:
         from .plots import training_curve

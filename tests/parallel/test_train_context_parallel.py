@@ -1,0 +1,107 @@
+"""`dcoco train ... parallel.context=2` end to end: the command starts itself again as 2 gloo
+processes through torch's launcher, and trains to the same drafter as one process.
+
+A tiny HF target is saved to disk and answers 24 prompts (`regenerate`); both runs train DFlash
+(and DCOCO) on its answers with online features, float32, for a few steps. Every step's loss and
+the final weights must agree: the processes' losses and gradients add up to the one-process ones
+(tested to 1e-10 in float64 in test_drafter_context_parallel.py); here float32 rounding differs in
+order only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from dcoco.drafters.dflash import default_target_layer_ids
+from dcoco.sampling import SamplingParams
+from dcoco.target import Target
+from dcoco.train.data import Prompt, regenerate
+
+LAYERS = 4
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target saved as an HF directory, and its answers to 24 prompts."""
+    root = tmp_path_factory.mktemp("train_cp")
+    model = tiny_model("llama", seed=5, num_hidden_layers=LAYERS, initializer_range=0.15)
+    model.save_pretrained(root / "target")
+    target = Target(model)
+    rng = random.Random(0)
+    prompts = [
+        Prompt(id=f"p{i}", messages=[rng.randrange(target.vocab_size) for _ in range(rng.randint(4, 14))])
+        for i in range(24)
+    ]
+    taps = [i + 1 for i in default_target_layer_ids(LAYERS, 2)]
+    sp = SamplingParams(max_tokens=20)
+    regenerate(target, prompts, root / "data", num_samples=24, taps=taps, sampling=sp, batch_size=12, progress=False)
+    (root / "train.yaml").write_text("# every setting is on the command line\n")
+    return root
+
+
+def train(root, out, method, *extra):
+    """`dcoco train` in a fresh process; returns (exit status, stderr)."""
+    over = {
+        "method": method,
+        "target.model": root / "target",
+        "target.dtype": "float32",
+        "data.path": root / "data",
+        "data.features": "online",
+        "data.eval_permille": 0,
+        "optim.steps": STEPS,
+        "optim.batch_size": 3,
+        "optim.anchors_per_seq": 5,
+        "optim.lr": 1e-3,
+        "optim.warmup_steps": 1,
+        "optim.autocast_bf16": False,
+        "optim.threads": 2,
+        "drafter.num_layers": 1,
+        "drafter.block_size": 4,
+        "drafter.num_features": 2,
+        "drafter.draft_vocab_size": 64,
+        "run.out": out,
+        "run.checkpoint_every": STEPS,
+        "run.flops_every": 0,
+    }
+    argv = [f"{k}={v}" for k, v in over.items()] + list(extra)
+    p = subprocess.run(
+        [sys.executable, "-m", "dcoco.cli", "train", "--config", str(root / "train.yaml"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+def test_two_processes_train_the_one_process_drafter(tiny_run, tmp_path, method):
+    rc, err = train(tiny_run, tmp_path / "one", method)
+    assert rc == 0, err
+    rc, err = train(tiny_run, tmp_path / "two", method, "parallel.context=2")
+    assert rc == 0, err
+    logs = [[json.loads(x) for x in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    assert [r["step"] for r in logs[1]] == list(range(1, STEPS + 1))
+    for a, b in zip(*logs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
+    one, two = (torch.load(tmp_path / d / "state.pt", weights_only=False)["model"] for d in ("one", "two"))
+    # the corrector's output bias shifts every candidate's score alike: the loss does not depend on
+    # it, its gradient is rounding noise, and AdamW moves it by about +-lr either way
+    for k in set(one) - {"corrector.out.bias"}:
+        assert torch.allclose(one[k].float(), two[k].float(), rtol=0, atol=1e-5), k
+    assert list((tmp_path / "two" / "drafter").iterdir())  # rank 0 exported the drafter
+
+
+def test_losses_that_read_other_ranks_positions_are_refused_before_launch(tiny_run, tmp_path):
+    rc, err = train(tiny_run, tmp_path / "x", "dspark", "parallel.context=2")
+    assert rc == 2 and err.strip().count("\n") == 0 and "parallel.context=2" in err, err
+    rc, err = train(tiny_run, tmp_path / "x", "dflash", "parallel.context=0")
+    assert rc == 2 and "parallel.context" in err, err
