@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from ..nn.layers import at_least_float32
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
     """A (N,) for rewards (N,) laid out as consecutive groups of `group_size` completions."""
@@ -38,7 +40,7 @@ def completion_logprobs(
     Only the positions that predict completion tokens go through the LM head (the head is a large
     share of a small model's cost, and of its memory with a 49K vocabulary)."""
     h = model.model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
-    logits = model.get_output_embeddings()(h[targets]).float() / temperature
+    logits = at_least_float32(model.get_output_embeddings()(h[targets])) / temperature
     tok = ids[:, 1:][targets].unsqueeze(1)
     lp = logits.gather(1, tok).squeeze(1) - torch.logsumexp(logits, dim=-1)
     return lp.new_zeros(targets.shape).masked_scatter(targets, lp)
@@ -59,9 +61,44 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of a (micro-)batch: logp / old_logp / ref_logp / mask (B, n), adv (B,).
     Returns the loss and detached sums for logging (clipped tokens, KL)."""
-    clip_high = clip_low if clip_high is None else clip_high
     m = mask.float()
-    a = adv.view(-1, 1).float()
+    if loss_type == "grpo":
+        n = m.shape[0] if num_seqs is None else num_seqs
+        weight = m / m.sum(1, keepdim=True).clamp(min=1) / n
+    elif loss_type == "token":
+        weight = m / (m.sum() if num_tokens is None else num_tokens)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    return clipped_surrogate(logp, old_logp, adv.view(-1, 1), weight, clip_low, clip_high, ref_logp, beta)
+
+
+def token_weights(
+    seq: torch.Tensor, completion_lens: torch.Tensor, loss_type: str, num_seqs: int, num_tokens: int
+) -> torch.Tensor:
+    """Each completion token's weight in `grpo_loss`, for tokens of completions `seq` (n,) with
+    `completion_lens` (N,) tokens each: what a subset of a batch's tokens (a context-parallel
+    shard) needs for its share of the batch loss."""
+    if loss_type == "grpo":
+        return 1.0 / (completion_lens[seq].float().clamp(min=1) * num_seqs)
+    if loss_type == "token":
+        return torch.full(seq.shape, 1.0 / num_tokens)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    weight: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: Optional[float] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
+    """sum_t weight_t loss_t over tokens (any shape; `adv` broadcasts to it, weight 0 = no token),
+    and detached sums for logging (clipped tokens, tokens, KL)."""
+    clip_high = clip_low if clip_high is None else clip_high
+    a = adv.float()
     ratio = torch.exp(logp - old_logp)
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
     per_token = -surrogate
@@ -70,15 +107,9 @@ def grpo_loss(
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        n = m.shape[0] if num_seqs is None else num_seqs
-        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).sum() / n
-    elif loss_type == "token":
-        n = m.sum() if num_tokens is None else num_tokens
-        loss = (per_token * m).sum() / n
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+    loss = (per_token * weight).sum()
     with torch.no_grad():
+        m = (weight > 0).float()
         clipped = ((ratio < 1 - clip_low) & (a < 0)) | ((ratio > 1 + clip_high) & (a > 0))
         stats = {
             "clipped_tokens": float((clipped.float() * m).sum()),
