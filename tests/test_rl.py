@@ -209,6 +209,9 @@ def test_shipped_config_parses():
         (["compare"], "at least one run"),
         (["compare", "/nonexistent/run"], "not an RL run"),
         (["--out", "x", "grpo.steps=1"], "--out is for"),
+        (["parallel.context=2", "draft.method=dspark"], "parallel.context=2"),
+        (["parallel.pipeline=2", "grpo.iterations=2"], "grpo.iterations=1"),
+        (["parallel.pipeline=0"], "parallel.pipeline"),
     ],
 )
 def test_cli_bad_input(capsys, args, needle):

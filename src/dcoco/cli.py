@@ -565,10 +565,14 @@ def cmd_rl(args) -> int:
         return 0
     if args.out is not None:
         raise ConfigError("--out is for 'rl compare'; set the run directory with run.out=DIR")
-    from .rl.config import load_rl_config
+    from .parallel.launch import launched, torchrun
+    from .rl.config import check_rl_parallel, load_rl_config
     from .rl.loop import run_rl
 
     cfg = load_rl_config(args.config, args.overrides)
+    check_rl_parallel(cfg)
+    if cfg.processes > 1 and not launched():  # this command again, one process per rank of the grid
+        return torchrun(cfg.processes, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
     run_rl(cfg, progress=not args.no_progress)
     return 0
 

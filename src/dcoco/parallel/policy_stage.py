@@ -4,11 +4,12 @@ pipeline stage, run on one rank's zigzag shard of packed sequences.
 `PolicyStage` wraps an HF causal LM of the Llama layout (`model.model.embed_tokens`, `.layers`,
 `.norm`, `.rotary_emb`, `lm_head`; Llama, Qwen2/3, SmolLM2, ...) and keeps only stage `s` of `P`:
 decoder layers [s L / P, (s+1) L / P), the embeddings on the first stage, the final norm and LM head
-on the last. Its self-attention runs through transformers' attention interface as zigzag ring
-attention over the stage's context-parallel group (`dcoco_zigzag_ring`), so each rank attends its
-shard's queries to every earlier key of their sequence, wherever it lives; RoPE takes the tokens'
-own positions. Activations between stages and their gradients are plain point-to-point tensors,
-sized from the layout every rank knows; the drafter's tapped layers leave through `TapChannel`s.
+on the last (with the embeddings too: the draft loss there embeds its blocks). Its self-attention
+runs through transformers' attention interface as zigzag ring attention over the stage's context-
+parallel group (`dcoco_zigzag_ring`), so each rank attends its shard's queries to every earlier key
+of their sequence, wherever it lives; RoPE takes the tokens' own positions. Activations between
+stages and their gradients are plain point-to-point tensors, sized from the layout every rank knows;
+the drafter's tapped layers leave through `TapChannel`s.
 
 Tied embeddings (SmolLM2) live on the first and the last stage: `tied` names them, and their
 gradients are summed over the two before any update, so both copies stay equal.
@@ -71,7 +72,7 @@ class PolicyStage:
                 layers[i] = nn.Identity()  # another stage's: its weights are freed here
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         self.tied = embed.weight is head.weight
-        keep_embed = self.first or (self.tied and self.last)
+        keep_embed = self.first or self.last  # the last stage's draft loss embeds its blocks
         keep_head = self.last or (self.tied and self.first)
         if not keep_embed:
             embed.weight = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -87,9 +88,12 @@ class PolicyStage:
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
 
-    def owned_layers(self, taps: Sequence[int]) -> list[int]:
-        """The taps (hidden-state indices: 0 the embeddings, i the output of layer i-1) this stage makes."""
-        return [t for t in taps if (t == 0 and self.first) or self.lo < t <= self.hi]
+    @staticmethod
+    def taps_of(stage: int, num_stages: int, num_layers: int, taps: Sequence[int]) -> list[int]:
+        """The taps (hidden-state indices: 0 the embeddings, i the output of layer i-1) that stage
+        `stage` makes."""
+        lo, hi = stage * num_layers // num_stages, (stage + 1) * num_layers // num_stages
+        return [t for t in taps if (t == 0 and stage == 0) or lo < t <= hi]
 
     def forward(
         self, layout: ZigzagLayout, ids: torch.Tensor, x: Optional[torch.Tensor], taps: Sequence[int] = ()

@@ -7,8 +7,16 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import AfterValidator, Field, model_validator
 
+from ..errors import ConfigError
 from ..families import DEFAULT_TRAINED
-from ..train.config import DrafterSection, _Section, check_trained_method, parse_config
+from ..train.config import (
+    DrafterSection,
+    ParallelSection,
+    _Section,
+    check_context_parallel,
+    check_trained_method,
+    parse_config,
+)
 
 
 class PolicySection(_Section):
@@ -89,6 +97,15 @@ class RunSection(_Section):
     save_policy: bool = True  # export the final policy as an HF directory (run.out/policy)
 
 
+class RLParallelSection(ParallelSection):
+    # pipeline stages of the policy: its decoder layers split over this many processes (each runs
+    # `parallel.context` of them, zigzag over the sequences); the drafter's tapped layers reach the
+    # last stage's ranks, where the draft loss runs, through TapChannels (docs/rl.md)
+    pipeline: int = Field(1, ge=1)
+    # longest prompt a rollout may have: sizes the TapChannels' slots (a longer one is an error)
+    max_prompt_tokens: int = Field(256, ge=1)
+
+
 class RLConfig(_Section):
     policy: PolicySection = PolicySection()
     task: TaskSection = TaskSection()
@@ -96,6 +113,21 @@ class RLConfig(_Section):
     grpo: GRPOSection = GRPOSection()
     draft: DraftSection = DraftSection()
     run: RunSection = RunSection()
+    parallel: RLParallelSection = RLParallelSection()
+
+    @property
+    def processes(self) -> int:
+        return self.parallel.pipeline * self.parallel.context
+
+
+def check_rl_parallel(cfg: RLConfig) -> None:
+    """A one-line `ConfigError` where the process grid cannot run this config (before it starts)."""
+    if cfg.processes == 1:
+        return
+    if cfg.grpo.iterations != 1 or cfg.grpo.beta > 0:
+        raise ConfigError("parallel.pipeline / parallel.context run grpo.iterations=1 with grpo.beta=0 only")
+    if cfg.draft.method != "none":
+        check_context_parallel(cfg.draft.method, cfg.draft.arch, cfg.parallel, "cpu")
 
 
 def load_rl_config(path: Optional[str], overrides: tuple[str, ...] | list[str] = ()) -> RLConfig:

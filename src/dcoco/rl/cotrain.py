@@ -95,7 +95,15 @@ class DraftCoTrainer:
         (`cotrain: false`) is scored the same way, without gradients, to show how it goes stale."""
         self.model.train()  # EAGLE-3's batch layout reads the training flag
         try:
-            batch = loss_batch(self.loss, samples, feats, self.cfg.anchors_per_seq, gen)
+            return self.backward_on(loss_batch(self.loss, samples, feats, self.cfg.anchors_per_seq, gen))
+        finally:
+            self.model.eval()
+
+    def backward_on(self, batch) -> dict:
+        """`backward` on a batch already built (under context parallelism: this rank's share).
+        Returns the loss, the teacher-forced tau, and the labelled blocks it averages over."""
+        self.model.train()
+        try:
             with torch.set_grad_enabled(self.cfg.cotrain):
                 loss, extras = self.loss(batch)
             if self.cfg.cotrain:
