@@ -1,5 +1,7 @@
-"""The real DFlash-family losses (DFlash, DCOCO) under context parallelism equal the single-process
-loss: the sequences split zigzag over W gloo ranks, each drafter layer attending through the ring.
+"""The real DFlash-family losses (DFlash, DCOCO, DSpark, DCOCO with its L1 term) under context
+parallelism equal the single-process loss: the sequences split zigzag over W gloo ranks, each
+drafter layer attending through the ring; DSpark's and the L1 term's target distribution at each
+slot is recomputed from last-layer rows fetched from whichever rank holds them.
 In float64 the only difference is the order of the sums: 1e-10. In bfloat16 (the training dtype
 on CPU) the ring's partial softmaxes round differently from one SDPA call, by a few units in the
 last place, as one bf16 process rounds differently from float64. The stated tolerance, against
@@ -18,14 +20,19 @@ HIDDEN, VOCAB, BLOCK, TAPS = 16, 37, 4, [0, 2]
 LENS = [[23, 9, 31], [12, 40]]  # two batches; in the second every anchor is early in one sequence
 TOL = 1e-10
 BF16_LOSS, BF16_GRAD = 2e-3, 3e-2
-METHODS = ["dflash", "dcoco", "dcoco_anchor_pair"]
+METHODS = ["dflash", "dcoco", "dcoco_anchor_pair", "dspark", "dcoco_l1"]
+READS_LAST = ("dspark", "dcoco_l1")  # p_target at every slot: the features carry the last layer too
 
 
 def make_loss(method: str, dtype=torch.float64):
     """A small drafter and its loss, the same on every rank (seeded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from dcoco.drafters.dcoco import DCOCOConfig, DCOCOModel
     from dcoco.drafters.dflash import DFlashConfig, DFlashModel
-    from dcoco.train.losses import DCOCOLoss, DrafterLoss
+    from dcoco.drafters.dspark import DSparkConfig, DSparkModel
+    from dcoco.target import Target
+    from dcoco.train.losses import DCOCOLoss, DrafterLoss, DSparkLoss, TargetHead
 
     torch.manual_seed(7)
     cfg = DFlashConfig(
@@ -43,23 +50,43 @@ def make_loss(method: str, dtype=torch.float64):
     )
     if method == "dflash":
         model = DFlashModel(cfg)
+    elif method == "dspark":
+        model = DSparkModel(cfg, DSparkConfig(markov_rank=4))
     else:
         model = DCOCOModel(cfg, DCOCOConfig(top_k=4, proj_dim=8, hidden=8, anchor_pair=method.endswith("pair")))
     embed, head = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     for p in [*model.parameters(), *embed.parameters(), *head.parameters()]:  # no zero-initialised block
         p.data = torch.randn_like(p) * 0.3
     model, embed, head = model.to(dtype), embed.to(dtype), head.to(dtype)
-    loss_cls = DrafterLoss if method == "dflash" else DCOCOLoss
-    return loss_cls(model, embed, head, gamma=4.0)
+    split = len(TAPS) * HIDDEN
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+    ).to(dtype)
+    target_head = TargetHead(Target(target))
+    if method == "dflash":
+        return DrafterLoss(model, embed, head, gamma=4.0)
+    if method == "dspark":
+        return DSparkLoss(model, embed, head, 4.0, target_head, split)
+    if method == "dcoco_l1":
+        return DCOCOLoss(model, embed, head, 4.0, split, target_head, l1_weight=0.5)
+    return DCOCOLoss(model, embed, head, gamma=4.0)
 
 
-def make_batch_data(lens: list[int], seed: int, dtype=torch.float64):
+def make_batch_data(lens: list[int], seed: int, dtype=torch.float64, method: str = "dflash"):
     """Samples, their features (packed) and anchors: as `loss_batch` draws them."""
     from dcoco.train.batch import sample_anchors
 
     gen = torch.Generator().manual_seed(seed)
     samples = [{"input_ids": torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist(), "prompt_len": 2} for n in lens]
-    feats = torch.randn(sum(lens), len(TAPS) * HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+    width = (len(TAPS) + (method in READS_LAST)) * HIDDEN
+    feats = torch.randn(sum(lens), width, generator=gen, dtype=torch.float64).to(dtype)
     if seed == 1:  # every block anchored early in sequence 0: most ranks own none
         anchors = [[2, 3]] + [[] for _ in lens[1:]]
     else:
@@ -69,7 +96,7 @@ def make_batch_data(lens: list[int], seed: int, dtype=torch.float64):
 
 def single_process(method: str, lens: list[int], seed: int, dtype=torch.float64):
     loss = make_loss(method, dtype)
-    samples, feats, anchors = make_batch_data(lens, seed, dtype)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype, method)
     per_seq = list(torch.split(feats, lens))
     value, _ = loss(loss.batch_at(samples, per_seq, anchors))
     value.backward()
@@ -81,11 +108,11 @@ def sharded(method: str, lens: list[int], seed: int, W: int, group, rank: int, d
     from dcoco.parallel import ContextShard, ZigzagLayout, allreduce_gradients
 
     loss = make_loss(method, dtype)
-    samples, feats, anchors = make_batch_data(lens, seed, dtype)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype, method)
     layout = ZigzagLayout(lens, W)
     shard = ContextShard(layout, group, attention=attention)
     shard.attach(loss)
-    value, _ = loss(shard.batch(samples, layout.shard(feats, shard.rank), anchors, BLOCK))
+    value, _ = loss(shard.batch(samples, layout.shard(feats, shard.rank), anchors, loss.label_block))
     value.backward()
     total = value.detach().clone()
     if W > 1:
@@ -164,12 +191,25 @@ def test_one_rank_shard_is_the_single_process_loss(method):
     assert m["loss_err"] < TOL and m["grad_err"] < TOL * max(1.0, m["grad_scale"]), m
 
 
-def test_losses_that_read_other_ranks_positions_are_refused():
-    from dcoco.parallel import ContextShard, ParallelError, ZigzagLayout
+def test_a_loss_without_a_block_layout_is_refused():
+    """EAGLE-3's training-time-test layout has no context-parallel form: `attach` refuses its loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    loss = make_loss("dcoco")
-    loss.l1_weight = 0.5
-    with pytest.raises(ParallelError, match="L1"):
+    from dcoco.families import LossParts, ModelSource, build_model, get_family
+    from dcoco.parallel import ContextShard, ParallelError, ZigzagLayout
+    from dcoco.target import Target
+    from dcoco.train.config import DrafterSection
+    from dcoco.train.losses import TargetHead
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    target = Target(LlamaForCausalLM(cfg))
+    d, family = DrafterSection(num_layers=1, draft_vocab_size=64), get_family("eagle3")
+    model = build_model(family, d, target, ModelSource())
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    loss = family.build_loss(model, LossParts(embed, head, TargetHead(target), 3 * HIDDEN, 4.0), d)
+    assert not family.context_parallel
+    with pytest.raises(ParallelError, match="EAGLE-3"):
         ContextShard(ZigzagLayout([5], 1)).attach(loss)
 
 

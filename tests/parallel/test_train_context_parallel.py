@@ -2,7 +2,7 @@
 processes through torch's launcher, and trains to the same drafter as one process.
 
 A tiny HF target is saved to disk and answers 24 prompts (`regenerate`); both runs train DFlash
-(and DCOCO) on its answers with online features, float32, for a few steps. Every step's loss and
+(DCOCO, DSpark) on its answers with online features, float32, for a few steps. Every step's loss and
 the final weights must agree: the processes' losses and gradients add up to the one-process ones
 (tested to 1e-10 in float64 in test_drafter_context_parallel.py); here float32 rounding differs in
 order only.
@@ -81,7 +81,7 @@ def train(root, out, method, *extra):
     return p.returncode, p.stderr
 
 
-@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+@pytest.mark.parametrize("method", ["dflash", "dcoco", "dspark"])
 def test_two_processes_train_the_one_process_drafter(tiny_run, tmp_path, method):
     rc, err = train(tiny_run, tmp_path / "one", method)
     assert rc == 0, err
@@ -100,8 +100,8 @@ def test_two_processes_train_the_one_process_drafter(tiny_run, tmp_path, method)
     assert list((tmp_path / "two" / "drafter").iterdir())  # rank 0 exported the drafter
 
 
-def test_losses_that_read_other_ranks_positions_are_refused_before_launch(tiny_run, tmp_path):
-    rc, err = train(tiny_run, tmp_path / "x", "dspark", "parallel.context=2")
+def test_a_loss_without_a_context_parallel_form_is_refused_before_launch(tiny_run, tmp_path):
+    rc, err = train(tiny_run, tmp_path / "x", "eagle3", "parallel.context=2")
     assert rc == 2 and err.strip().count("\n") == 0 and "parallel.context=2" in err, err
     rc, err = train(tiny_run, tmp_path / "x", "dflash", "parallel.context=0")
     assert rc == 2 and "parallel.context" in err, err

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel, ConfigDict
 
+from ..nn.layers import at_least_float32
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import DraftInput, DraftOutput
 from .checkpoint import save_checkpoint
@@ -109,7 +110,7 @@ class DSparkModel(DFlashModel):
         """Markov-adjusted logits z = U + bias(prev) (float32) and the confidence logit (or None)
         for base logits (..., V), slot hidden states (..., H) and previous tokens (...)."""
         bias, e = self.markov_head(prev)
-        z = base_logits.float() + bias.float()
+        z = at_least_float32(base_logits) + at_least_float32(bias)
         conf = self.confidence_head(hidden, e) if self.confidence_head is not None else None
         return z, conf
 

@@ -63,10 +63,7 @@ class ContextShard:
     def attach(self, loss) -> None:
         """Make `loss` (a DFlash-family loss) compute this rank's share."""
         if not getattr(loss, "context_parallel", False):
-            raise ParallelError(
-                f"{type(loss).__name__} cannot run context parallel: it reads the target's distribution "
-                "at positions held by other ranks (DSpark, DCOCO's L1 term) or has no block layout (EAGLE-3)"
-            )
+            raise ParallelError(f"{type(loss).__name__} cannot run context parallel: it has no block layout (EAGLE-3)")
         loss.shard = self
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +130,29 @@ class ContextShard:
             own = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * len(anchors))
             h = model(emb, positions, kv, torch.cat([ctx, own], dim=1).view(1, 1, len(q_seq), -1))
         return h.view(1, len(anchors), B, -1)
+
+    def fetch(self, local: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (n,) of the packed tensor whose shard this rank holds (`local` (T_r, D)),
+        wherever they live: the ranks gather each other's requests, each fills the rows it holds,
+        and one all-reduce of zeros and those rows delivers them (no gradient: features are inputs)."""
+        if self.ring.local or self.ring.size == 1:
+            return local[index]
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(self.ring.size)]
+        dist.all_gather(counts, torch.tensor([len(index)]), group=self.group)
+        width = max(1, max(int(c) for c in counts))
+        asked = [torch.empty(width, dtype=torch.long) for _ in counts]
+        mine = torch.zeros(width, dtype=torch.long)
+        mine[: len(index)] = index
+        dist.all_gather(asked, mine, group=self.group)
+        wanted = torch.cat([a[: int(c)] for a, c in zip(asked, counts)])
+        seq = torch.searchsorted(self.layout.cu_seqlens[1:], wanted, right=True)
+        owner, at = self.layout.owners(seq, wanted - self.layout.cu_seqlens[seq])
+        rows = torch.zeros(len(wanted), local.shape[1], dtype=local.dtype)
+        held = owner == self.rank
+        rows[held] = local.detach()[at[held]]
+        dist.all_reduce(rows, group=self.group)
+        start = sum(int(c) for c in counts[: self.rank])
+        return rows[start : start + len(index)]
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The whole packed tensor from every rank's shard (no gradient: features are inputs)."""

@@ -288,7 +288,7 @@ class GridRLRun(RLRun):
         shard = ContextShard(ZigzagLayout([len(s) for s in seqs], self.W), self.cp_groups[-1],
                              attention=self.cfg.parallel.attention)  # fmt: skip
         shard.attach(self.draft.loss)
-        batch = shard.batch(samples, local, batch_anchors(samples, n, gen), self.draft.model.cfg.block_size)
+        batch = shard.batch(samples, local, batch_anchors(samples, n, gen), self.draft.loss.label_block)
         out = self.draft.backward_on(batch)
         blocks = float((batch.labels[..., 0] != -100).sum())
         return torch.tensor([out["draft_loss"], (out["draft_tau_teacher_forced"] - 1.0) * blocks, blocks],

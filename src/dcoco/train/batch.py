@@ -99,5 +99,5 @@ def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: 
         return loss.make_batch(samples, feats, n_anchors, gen)
     anchors = batch_anchors(samples, n_anchors, gen)
     if getattr(loss, "shard", None) is not None:
-        return loss.shard.share(samples, feats, anchors, loss.model.cfg.block_size)
+        return loss.shard.share(samples, feats, anchors, loss.label_block)
     return loss.batch_at(samples, feats, anchors)

@@ -98,7 +98,7 @@ class ParallelSection(_Section):
     # context parallelism of the drafter loss: each step's sequences, packed, are split zigzag over
     # this many processes (started with torch's launcher, gloo); a process holds the target
     # features of its shard and trains the blocks anchored in it, whose queries see the rest of
-    # their context through ring branch attention (docs/scale_out.md). DFlash-family losses only
+    # their context through ring branch attention (docs/scale_out.md). DFlash, DCOCO and DSpark
     context: int = Field(1, ge=1)
     attention: Literal["ring", "allgather"] = "ring"  # allgather: every rank gathers all the features
 
@@ -109,10 +109,10 @@ def check_context_parallel(method: str, drafter, parallel: ParallelSection, devi
 
     if parallel.context == 1:
         return
-    if get_family(method).reads_last_layer(drafter):
+    if not get_family(method).context_parallel:
         raise ConfigError(
-            f"parallel.context={parallel.context}: the {method} loss reads the target's distribution at positions "
-            "other ranks hold; context parallelism runs dflash, and dcoco with drafter.dcoco.corrector_l1_weight=0"
+            f"parallel.context={parallel.context}: the {method} loss has no context-parallel form; "
+            "context parallelism runs dflash, dcoco and dspark"
         )
     if not device.startswith("cpu"):
         raise ConfigError(f"parallel.context runs on CPU processes (gloo) only, not on {device}")

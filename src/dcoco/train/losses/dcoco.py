@@ -45,11 +45,6 @@ class DCOCOLoss(DrafterLoss):
         if l1_weight > 0 and head is None:
             raise ValueError("the corrector's L1 term needs the target head and the last-layer features")
 
-    @property
-    def context_parallel(self) -> bool:
-        """The L1 term reads p_target at every slot, from positions other ranks may hold."""
-        return self.l1_weight == 0
-
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         full, b = b, self.drafter_features(b)
         h = self.hidden(b)
@@ -72,7 +67,7 @@ class DCOCOLoss(DrafterLoss):
         corr, pred, valid_from, m = self.corrector_loss(ids, scores, labels)
         if self.l1_weight > 0:  # on the T > 0 walks' scores (the same as the greedy ones without a sampled head)
             n = min(P, self.model.cfg.num_speculative_tokens or P)
-            pt = self.head.next_token_probs(full, self.split, n).reshape(S * A, n, -1)
+            pt = self.head.next_token_probs(full, self.split, n, self.shard).reshape(S * A, n, -1)
             l1, m["t1_accept_est"] = self.distribution_loss(
                 ids, rows_at(hot, pred), labels, valid_from, pt, logits.reshape(S * A, P, V)
             )
@@ -170,9 +165,9 @@ class DCOCOLoss(DrafterLoss):
         first = 1 - self.model.lead  # pair p ends at slot p + 1 + first, i.e. pt index p + first
         pairs = pt.shape[1] - first
         dest = ids[:, 1 : 1 + pairs]  # candidates of each pair's destination
-        rows = rows[:, :pairs].float()
+        rows = at_least_float32(rows[:, :pairs])
         if self.model.dcfg.vocab_walk:
-            full = self.model.restrict_to_draft_vocab(logits[:, first : first + pairs].float())
+            full = self.model.restrict_to_draft_vocab(at_least_float32(logits[:, first : first + pairs]))
             q, p = torch.softmax(full.scatter(2, dest, rows), -1), pt[:, first:]
         else:
             q, p = torch.softmax(rows, -1), pt[:, first:].gather(2, dest)  # (n, pairs, K)

@@ -20,8 +20,9 @@ from ..batch import Batch, make_batch, position_weights
 class DrafterLoss:
     """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
 
-    # runs under context parallelism (`dcoco.parallel.ContextShard`): reads no feature outside a
-    # block's context
+    # runs under context parallelism (`dcoco.parallel.ContextShard`): a block's queries read the
+    # context before its anchor over the ring, the target's distribution at its slots (`TargetHead`)
+    # from whichever rank holds those rows
     context_parallel = True
 
     def __init__(
@@ -93,9 +94,14 @@ class DrafterLoss:
         logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
         return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
 
+    @property
+    def label_block(self) -> int:
+        """A block's labels are its tokens after the anchor: this many minus one."""
+        return self.model.cfg.block_size
+
     def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
         """Blocks at the given anchor positions of each sample."""
-        return make_batch(samples, feats, anchors, self.model.cfg.block_size)
+        return make_batch(samples, feats, anchors, self.label_block)
 
     def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
         """Greedy drafts (S, A, P) as inference makes them, by eval-metric suffix ("" = the method's own)."""
@@ -109,7 +115,7 @@ class DrafterLoss:
         """The target's own T=1 distribution (S, A, P, V) of each slot's token, from the last layer."""
         if self.head is None or self.split is None or b.feats.shape[-1] == self.split:
             raise ConfigError("T=1 acceptance needs the target's last layer in the data (`dcoco data regenerate`)")
-        return self.head.next_token_probs(b, self.split, P)
+        return self.head.next_token_probs(b, self.split, P, self.shard)
 
     def slot_acceptance(self, b: Batch, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Per slot, the probability that T=1 verification accepts the draft, teacher-forced on the

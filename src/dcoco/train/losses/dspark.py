@@ -21,15 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from ...drafters.dspark import DSparkModel
+from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
-from ..batch import Batch, make_batch
+from ..batch import Batch
 from .dflash import DrafterLoss
 from .target_head import TargetHead
 
 
 class DSparkLoss(DrafterLoss):
-    context_parallel = False  # p_target at every slot: last-layer features of positions other ranks hold
-
     def __init__(
         self,
         model: DSparkModel,
@@ -47,9 +46,10 @@ class DSparkLoss(DrafterLoss):
         self.ce_weight, self.l1_weight, self.confidence_weight = ce_weight, l1_weight, confidence_weight
         self.weights = torch.exp(-torch.arange(model.max_draft, dtype=torch.float32) / gamma)
 
-    def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
-        """The DFlash batch with one label per draft slot: labels[s, a, j] = x_{anchor + 1 + j}."""
-        return make_batch(samples, feats, anchors, self.model.max_draft + 1)
+    @property
+    def label_block(self) -> int:
+        """One label per draft slot: labels[s, a, j] = x_{anchor + 1 + j}."""
+        return self.model.max_draft + 1
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, dict]:
         model: DSparkModel = self.model
@@ -64,13 +64,12 @@ class DSparkLoss(DrafterLoss):
         z, conf = model.step_logits(base, hs, prev)
         valid = labels != -100
         w = self.weights[:P].view(1, 1, P) * valid
-        wsum = w.sum().clamp_min(1e-6)
         logq = torch.log_softmax(z, dim=-1)
         ce = -logq.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        pt = self.head.next_token_probs(b, self.split, P)
+        pt = self.head.next_token_probs(b, self.split, P, self.shard)
         l1 = (logq.exp() - pt).abs().sum(-1)
         accept = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
-        ce_l, l1_l = (ce * w).sum() / wsum, (l1 * w).sum() / wsum
+        ce_l, l1_l = self.weighted_mean(ce, w), self.weighted_mean(l1, w)
         loss = self.ce_weight * ce_l + self.l1_weight * l1_l
         m = {
             "ce_loss": ce_l.item(),
@@ -78,8 +77,8 @@ class DSparkLoss(DrafterLoss):
             "accept_est": ((accept * valid).sum() / valid.sum().clamp_min(1)).item(),
         }
         if conf is not None:
-            bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
-            bce_l = (bce * w).sum() / wsum
+            bce = F.binary_cross_entropy_with_logits(at_least_float32(conf), accept, reduction="none")
+            bce_l = self.weighted_mean(bce, w)
             loss = loss + self.confidence_weight * bce_l
             m["confidence_loss"] = bce_l.item()
         return loss, {"logits": z, "base_logits": base, "confidence": conf, "accept": accept, "metrics": m}

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...nn.layers import at_least_float32
 from ..batch import Batch
 
 
@@ -23,17 +24,22 @@ class TargetHead:
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """float32 logits (..., V) of features h (..., H), or only the vocabulary rows `rows`."""
+        """float32 (float64 for float64 features) logits (..., V) of features h (..., H), or only
+        the vocabulary rows `rows`."""
         x = self.norm(h.to(self.dtype))
         w = self.lm_head.weight if rows is None else self.lm_head.weight[rows]
-        return F.linear(x, w).float()
+        return at_least_float32(F.linear(x, w))
 
-    def next_token_probs(self, b: Batch, split: int, P: int) -> torch.Tensor:
+    def next_token_probs(self, b: Batch, split: int, P: int, shard=None) -> torch.Tensor:
         """p_target (S, A, P, V) at temperature 1 of x_{a+1+j} (j < P) for every anchor a of `b`: from
-        the last-layer feature of token a + j (the feature columns from `split` on)."""
+        the last-layer feature of token a + j (the feature columns from `split` on). Under context
+        parallelism (`shard`, a `ContextShard`) those rows come from whichever rank holds them."""
         S, A = b.anchors.shape
-        T = b.feats.shape[1]
         last = b.feats[..., split:]
-        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P, 1)
-        h = last.gather(1, idx.expand(-1, -1, last.shape[-1])).view(S, A, P, -1)
-        return torch.softmax(self.logits(h), dim=-1)
+        T = b.feats.shape[1] if shard is None else shard.layout.total
+        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P)
+        if shard is None:
+            h = last.gather(1, idx.unsqueeze(2).expand(-1, -1, last.shape[-1]))
+        else:  # one packed batch (S = 1), anchors as packed indices
+            h = shard.fetch(last[0], idx[0])
+        return torch.softmax(self.logits(h.reshape(S, A, P, -1)), dim=-1)
