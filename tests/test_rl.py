@@ -209,7 +209,6 @@ def test_shipped_config_parses():
         (["compare"], "at least one run"),
         (["compare", "/nonexistent/run"], "not an RL run"),
         (["--out", "x", "grpo.steps=1"], "--out is for"),
-        (["parallel.context=2", "draft.method=eagle3"], "parallel.context=2"),
         (["parallel.pipeline=2", "grpo.iterations=2"], "grpo.iterations=1"),
         (["parallel.pipeline=0"], "parallel.pipeline"),
     ],

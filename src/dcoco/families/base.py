@@ -57,8 +57,6 @@ class Family:
     #: the class of its models (a checkpoint of another family is refused) and of its `Drafter`
     model_class: Optional[type] = None
     drafter_class: Optional[type] = None
-    #: its training loss runs context parallel (`dcoco.parallel.ContextShard`, `parallel.context`)
-    context_parallel: bool = True
 
     # -- inference ---------------------------------------------------------------------------
     def make_drafter(self, spec, target) -> Drafter:

@@ -41,7 +41,6 @@ class Eagle3Family(Family):
     settings = Eagle3Settings
     drafter_class = Eagle3Drafter
     model_class = Eagle3Model
-    context_parallel = False  # its training-time-test layout has no context-parallel form yet
 
     def recognizes(self, raw: dict) -> bool:
         return "LlamaForCausalLMEagle3" in (raw.get("architectures") or [])

@@ -24,6 +24,7 @@ from .attention import AttentionKernel
 from .branch import BranchSpec, branch_attention, branch_owners, dflash_spec
 from .comm import CommStats, RingGroup
 from .errors import ParallelError, ShapeMismatchError
+from .ring import zigzag_ring_attention
 from .zigzag import ZigzagLayout
 
 __all__ = ["ContextShard", "allreduce_gradients"]
@@ -40,7 +41,8 @@ class ContextShard:
     rank), and the loss's normalisers are summed over the group. The ranks' losses add up to the
     single-process loss, and their gradients, summed by `allreduce_gradients`, to its gradients.
 
-    `attention="allgather"` is the baseline the ring is measured against: every rank gathers the
+    `attention="allgather"` (DFlash-family blocks; EAGLE-3's chains always ride the ring) is the
+    baseline the ring is measured against: every rank gathers the
     whole context's features once, projects them to K/V for every layer, and attends its blocks
     with one masked SDPA call: as exact, one collective instead of a ring pass per layer, but every
     rank holds the whole context (`scripts/drafter_context_parallel.py` measures both)."""
@@ -102,13 +104,13 @@ class ContextShard:
         packed = self.layout.cu_seqlens[seq] + pos if len(seq) else torch.tensor([-1])
         return Batch(ids.unsqueeze(0), local_feats.unsqueeze(0), packed.unsqueeze(0), labels.unsqueeze(0))
 
-    def share(self, samples: Sequence[dict], feats: Sequence[torch.Tensor], anchors, block_size: int):
-        """`batch` from every sequence's features (n_i <= len_i, F) (this rank keeps its shard's
-        rows; a sequence's missing last rows are never context: no block anchors there)."""
+    def local_rows(self, samples: Sequence[dict], feats: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's rows (T_r, F) of every sequence's features (n_i <= len_i, F): a sequence's
+        missing last rows are never context (no block or chain reads them) and stay zero."""
         full = torch.cat(
             [torch.nn.functional.pad(f, (0, 0, 0, len(s["input_ids"]) - f.shape[0])) for s, f in zip(samples, feats)]
         )
-        return self.batch(samples, self.layout.shard(full, self.rank), anchors, block_size)
+        return self.layout.shard(full, self.rank)
 
     def hidden(self, loss, b) -> torch.Tensor:
         """Block hidden states (1, A, B, H) of this rank's blocks (`DrafterLoss.hidden` under CP)."""
@@ -168,15 +170,40 @@ class ContextShard:
     def _attend(self, spec: BranchSpec, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
         """`ContextAttention`'s attention for one rank: (1, heads, n, d) queries and block K/V, the
         shard's context K/V (1, kv_heads, T_r, d); branch attention takes them token-major."""
-
-        def rows(x):
-            return x[0].transpose(0, 1).contiguous()
-
         out = branch_attention(
-            rows(q), rows(k), rows(v), rows(ctx_k), rows(ctx_v), spec, self.layout,
+            _rows(q), _rows(k), _rows(v), _rows(ctx_k), _rows(ctx_v), spec, self.layout,
             group=self.group, kernel=self.kernel, stats=self.stats,
         )  # fmt: skip
         return out.transpose(0, 1).unsqueeze(0)
+
+    def self_attend(self, q, k, v) -> torch.Tensor:
+        """Causal self-attention of the shard's rows over their sequences, (1, heads, T_r, d) in and
+        out (EAGLE-3's step 0)."""
+        out, _ = zigzag_ring_attention(
+            _rows(q), _rows(k), _rows(v), self.layout, group=self.group, kernel=self.kernel, stats=self.stats
+        )
+        return out.transpose(0, 1).unsqueeze(0)
+
+    def chain_attend(self, q, seq, limits, k0, v0, chain_k: list, chain_v: list) -> torch.Tensor:
+        """EAGLE-3 step j = len(chain_k) >= 1 of this rank's chains: the query (1, heads, A, d) of the
+        chain of sequence `seq` sees the step-0 entries at positions <= `limits` (-1: none) of its
+        sequence, on whichever rank (k0/v0 (1, kv, T_r, d): the shard's), and its own entries of
+        steps 1..j (each (1, kv, A, d), never leaving the rank)."""
+        A, j = q.shape[2], len(chain_k)
+        bk = torch.stack([_rows(k) for k in chain_k], 1).flatten(0, 1)  # chain-major (A * j, kv, d)
+        bv = torch.stack([_rows(v) for v in chain_v], 1).flatten(0, 1)
+        a = torch.arange(A)
+        spec = BranchSpec(seq, limits, a * j, a * j + j)
+        out = branch_attention(
+            _rows(q), bk, bv, _rows(k0), _rows(v0), spec, self.layout,
+            group=self.group, kernel=self.kernel, stats=self.stats,
+        )  # fmt: skip
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(1, heads, n, d) -> token-major (n, heads, d), as the ring kernels take them."""
+    return x[0].transpose(0, 1).contiguous()
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

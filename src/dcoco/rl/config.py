@@ -13,7 +13,6 @@ from ..train.config import (
     DrafterSection,
     ParallelSection,
     _Section,
-    check_context_parallel,
     check_trained_method,
     parse_config,
 )
@@ -126,8 +125,6 @@ def check_rl_parallel(cfg: RLConfig) -> None:
         return
     if cfg.grpo.iterations != 1 or cfg.grpo.beta > 0:
         raise ConfigError("parallel.pipeline / parallel.context run grpo.iterations=1 with grpo.beta=0 only")
-    if cfg.draft.method != "none":
-        check_context_parallel(cfg.draft.method, cfg.draft.arch, cfg.parallel, "cpu")
 
 
 def load_rl_config(path: Optional[str], overrides: tuple[str, ...] | list[str] = ()) -> RLConfig:

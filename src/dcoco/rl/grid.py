@@ -35,7 +35,6 @@ from torch import nn
 from ..parallel import ContextShard, TapChannel, ZigzagLayout
 from ..parallel.policy_stage import PolicyStage
 from ..target import Target
-from ..train.batch import batch_anchors
 from .config import RLConfig
 from .cotrain import DraftCoTrainer
 from .grpo import clipped_surrogate, token_weights
@@ -288,7 +287,8 @@ class GridRLRun(RLRun):
         shard = ContextShard(ZigzagLayout([len(s) for s in seqs], self.W), self.cp_groups[-1],
                              attention=self.cfg.parallel.attention)  # fmt: skip
         shard.attach(self.draft.loss)
-        batch = shard.batch(samples, local, batch_anchors(samples, n, gen), self.draft.loss.label_block)
+        self.draft.model.train()  # EAGLE-3's start slots follow the training flag
+        batch = self.draft.loss.shard_batch(samples, local, n, gen)
         out = self.draft.backward_on(batch)
         blocks = float((batch.labels[..., 0] != -100).sum())
         return torch.tensor([out["draft_loss"], (out["draft_tau_teacher_forced"] - 1.0) * blocks, blocks],

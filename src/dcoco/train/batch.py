@@ -94,10 +94,9 @@ def loss_batch(loss, samples: list[dict], feats: list[torch.Tensor], n_anchors: 
     """The batch a drafter loss trains on, from samples (`input_ids`, `prompt_len`) and their target
     features: the loss's own layout when it has a `make_batch` hook (EAGLE-3), else DFlash
     blocks (`batch_at`) at `n_anchors` anchors per sequence sampled from `gen`. Under context
-    parallelism (`loss.shard`), this rank's share of the same blocks (`ContextShard.loss_batch`)."""
+    parallelism (`loss.shard`), this rank's share of the same blocks (the loss's `shard_batch`)."""
+    if getattr(loss, "shard", None) is not None:
+        return loss.shard_batch(samples, loss.shard.local_rows(samples, feats), n_anchors, gen)
     if hasattr(loss, "make_batch"):
         return loss.make_batch(samples, feats, n_anchors, gen)
-    anchors = batch_anchors(samples, n_anchors, gen)
-    if getattr(loss, "shard", None) is not None:
-        return loss.shard.share(samples, feats, anchors, loss.label_block)
-    return loss.batch_at(samples, feats, anchors)
+    return loss.batch_at(samples, feats, batch_anchors(samples, n_anchors, gen))

@@ -98,23 +98,14 @@ class ParallelSection(_Section):
     # context parallelism of the drafter loss: each step's sequences, packed, are split zigzag over
     # this many processes (started with torch's launcher, gloo); a process holds the target
     # features of its shard and trains the blocks anchored in it, whose queries see the rest of
-    # their context through ring branch attention (docs/scale_out.md). DFlash, DCOCO and DSpark
+    # their context through ring branch attention (docs/scale_out.md). Every trained family
     context: int = Field(1, ge=1)
     attention: Literal["ring", "allgather"] = "ring"  # allgather: every rank gathers all the features
 
 
-def check_context_parallel(method: str, drafter, parallel: ParallelSection, device: str) -> None:
+def check_context_parallel(parallel: ParallelSection, device: str) -> None:
     """A one-line `ConfigError` where `parallel.context` cannot run (before any process starts)."""
-    from ..families import get_family
-
-    if parallel.context == 1:
-        return
-    if not get_family(method).context_parallel:
-        raise ConfigError(
-            f"parallel.context={parallel.context}: the {method} loss has no context-parallel form; "
-            "context parallelism runs dflash, dcoco and dspark"
-        )
-    if not device.startswith("cpu"):
+    if parallel.context > 1 and not device.startswith("cpu"):
         raise ConfigError(f"parallel.context runs on CPU processes (gloo) only, not on {device}")
 
 

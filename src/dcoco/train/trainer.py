@@ -120,7 +120,7 @@ class Trainer:
         if p.context > 1:
             from ..parallel.launch import join_launched_job
 
-            check_context_parallel(cfg.method, d, p, str(self.device))
+            check_context_parallel(p, str(self.device))
             join_launched_job(p.context)
             self.rank = dist.get_rank()
         self.evaluator = Evaluator(self.loss, self.features, self.eval_samples, cfg.data.max_length, self.autocast)

@@ -14,7 +14,7 @@ from ...drafters.dflash import DFlashModel, shortlist, training_mask
 from ...errors import ConfigError
 from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
-from ..batch import Batch, make_batch, position_weights
+from ..batch import Batch, batch_anchors, make_batch, position_weights
 
 
 class DrafterLoss:
@@ -102,6 +102,11 @@ class DrafterLoss:
     def batch_at(self, samples: list[dict], feats: list[torch.Tensor], anchors: list[list[int]]) -> Batch:
         """Blocks at the given anchor positions of each sample."""
         return make_batch(samples, feats, anchors, self.label_block)
+
+    def shard_batch(self, samples: list[dict], local: torch.Tensor, n_anchors: int, gen: torch.Generator) -> Batch:
+        """Under context parallelism: this rank's blocks, of the anchors `loss_batch` draws, from the
+        shard's feature rows `local` (T_r, F) (`ContextShard.batch`)."""
+        return self.shard.batch(samples, local, batch_anchors(samples, n_anchors, gen), self.label_block)
 
     def predictions(self, extras: dict) -> dict[str, torch.Tensor]:
         """Greedy drafts (S, A, P) as inference makes them, by eval-metric suffix ("" = the method's own)."""

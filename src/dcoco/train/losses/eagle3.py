@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from ...drafters.eagle3 import Eagle3Model
+from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
 from ..batch import sample_anchors
 from .target_head import TargetHead
@@ -98,6 +99,10 @@ def ttt_weights(steps: int, decay: float) -> torch.Tensor:
 
 
 class Eagle3Loss:
+    # runs under context parallelism (`dcoco.parallel.ContextShard`): step 0 over the ring, the
+    # chains through branch attention, the target's distribution from the rank holding its row
+    context_parallel = True
+
     def __init__(
         self,
         model: Eagle3Model,
@@ -111,6 +116,7 @@ class Eagle3Loss:
         self.model, self.embed, self.head, self.split = model, embed, head, split
         self.steps, self.decay, self.slots = steps, decay, slots
         self.weights = ttt_weights(steps, decay)
+        self.shard = None  # context parallelism: this rank's `ContextShard`
 
     def make_batch(
         self, samples: list[dict], feats: list[torch.Tensor], n_anchors: int, gen: torch.Generator
@@ -128,11 +134,47 @@ class Eagle3Loss:
         """The chains decoding drafts after the given anchor positions of each sample."""
         return make_eagle3_batch(samples, feats, self.steps, [[a - 1 for a in an] for an in anchors])
 
+    def shard_batch(
+        self, samples: list[dict], local: torch.Tensor, n_anchors: int, gen: torch.Generator
+    ) -> Eagle3Batch:
+        """Under context parallelism (`shard`): this rank's chains, of the start slots `make_batch`
+        draws, with the shard's feature rows `local` (T_r, F); ids packed (1, total), slots as packed
+        indices (1, A) (-1: a placeholder chain when the rank owns none)."""
+        from ...parallel import branch_owners
+
+        layout, K = self.shard.layout, self.steps
+        n = self.slots if self.model.training else n_anchors
+        chains = [
+            list(range(len(s["input_ids"])))
+            if n is None
+            else sample_anchors(max(0, s["prompt_len"] - 2), len(s["input_ids"]) - 1, n, gen)
+            for s in samples
+        ]
+        seq = torch.tensor([i for i, c in enumerate(chains) for _ in c], dtype=torch.long)
+        pos = torch.tensor([t for c in chains for t in c], dtype=torch.long)
+        mine = branch_owners(layout, seq, pos) == self.shard.rank if len(seq) else seq.bool()
+        seq, pos = seq[mine], pos[mine]
+        labels = torch.full((max(1, len(seq)), K), -100, dtype=torch.long)
+        for a, (i, t) in enumerate(zip(seq.tolist(), pos.tolist())):
+            x, p = samples[i]["input_ids"], samples[i]["prompt_len"]
+            for j in range(K):  # step j drafts token t + 2 + j, a response token inside the sequence
+                if p <= t + 2 + j < len(x):
+                    labels[a, j] = x[t + 2 + j]
+        slots = layout.cu_seqlens[seq] + pos if len(seq) else torch.tensor([-1])
+        ids = torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]).unsqueeze(0)
+        lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+        plens = torch.tensor([s["prompt_len"] for s in samples])
+        return Eagle3Batch(ids, local.unsqueeze(0), lengths, plens, labels.unsqueeze(0), slots.unsqueeze(0))
+
     def __call__(self, b: Eagle3Batch) -> tuple[torch.Tensor, dict]:
-        model, K = self.model, self.steps
+        model, K, shard = self.model, self.steps, self.shard
         S, T = b.ids.shape
-        aux, last = b.feats[..., : self.split], b.feats[..., self.split :]
-        outs = model.unroll(self.embed, b.ids, aux.to(torch.float32), K, b.slots)
+        last = b.feats[..., self.split :]
+        aux = b.feats[..., : self.split].to(model.fc.weight.dtype)  # the drafter's dtype (autocast does bf16)
+        if shard is None:
+            outs = model.unroll(self.embed, b.ids, aux, K, b.slots)
+        else:
+            outs = model.unroll_sharded(self.embed, b.ids, aux, K, b.slots, shard)
         start = torch.arange(T).unsqueeze(0).expand(S, T) if b.slots is None else b.slots.clamp(min=0)
         rows = model.draft_to_target
         full_tl = self.head.logits(last, rows=rows) if b.slots is None else None  # (S, T, Vd), once for all steps
@@ -144,12 +186,17 @@ class Eagle3Loss:
             nxt = b.labels[..., j]  # the token step j predicts; its target distribution sits one slot before it
             valid = (nxt >= 0) & model.t2d[nxt.clamp(min=0)]
             draft = torch.full_like(nxt, -1)  # -1: no draft this step could match (token outside the draft vocabulary)
-            if valid.any():
-                bi, ui = bidx[valid], (start + 1 + j)[valid]
+            bi, ui = bidx[valid], (start + 1 + j)[valid]
+            if shard is None:
+                count = valid.sum()
                 tl = full_tl[bi, ui] if full_tl is not None else self.head.logits(last[bi, ui], rows=rows)
+            else:  # the chains of every rank share the normaliser; the rows come from their owners
+                count = shard.global_sum(valid.sum())
+                tl = self.head.logits(shard.fetch(last[0], ui.clamp(max=shard.layout.total - 1)), rows=rows)
+            if valid.any():
                 p = torch.softmax(tl, dim=-1)
-                logq = torch.log_softmax(model.logits(h[valid]).float(), dim=-1)
-                ce = -(p * logq).sum(-1).mean()
+                logq = torch.log_softmax(at_least_float32(model.logits(h[valid])), dim=-1)
+                ce = -(p * logq).sum() / count.clamp(min=1)
                 loss = loss + self.weights[j] * ce
                 with torch.no_grad():
                     draft[valid] = rows[logq.argmax(-1)]
