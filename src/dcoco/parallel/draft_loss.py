@@ -170,8 +170,9 @@ class ContextShard:
     def _attend(self, spec: BranchSpec, q, k, v, ctx_k, ctx_v) -> torch.Tensor:
         """`ContextAttention`'s attention for one rank: (1, heads, n, d) queries and block K/V, the
         shard's context K/V (1, kv_heads, T_r, d); branch attention takes them token-major."""
+        dt = _attention_dtype(q)
         out = branch_attention(
-            _rows(q), _rows(k), _rows(v), _rows(ctx_k), _rows(ctx_v), spec, self.layout,
+            _rows(q, dt), _rows(k, dt), _rows(v, dt), _rows(ctx_k, dt), _rows(ctx_v, dt), spec, self.layout,
             group=self.group, kernel=self.kernel, stats=self.stats,
         )  # fmt: skip
         return out.transpose(0, 1).unsqueeze(0)
@@ -179,8 +180,15 @@ class ContextShard:
     def self_attend(self, q, k, v) -> torch.Tensor:
         """Causal self-attention of the shard's rows over their sequences, (1, heads, T_r, d) in and
         out (EAGLE-3's step 0)."""
+        dt = _attention_dtype(q)
         out, _ = zigzag_ring_attention(
-            _rows(q), _rows(k), _rows(v), self.layout, group=self.group, kernel=self.kernel, stats=self.stats
+            _rows(q, dt),
+            _rows(k, dt),
+            _rows(v, dt),
+            self.layout,
+            group=self.group,
+            kernel=self.kernel,
+            stats=self.stats,
         )
         return out.transpose(0, 1).unsqueeze(0)
 
@@ -189,21 +197,29 @@ class ContextShard:
         chain of sequence `seq` sees the step-0 entries at positions <= `limits` (-1: none) of its
         sequence, on whichever rank (k0/v0 (1, kv, T_r, d): the shard's), and its own entries of
         steps 1..j (each (1, kv, A, d), never leaving the rank)."""
+        dt = _attention_dtype(q)
         A, j = q.shape[2], len(chain_k)
-        bk = torch.stack([_rows(k) for k in chain_k], 1).flatten(0, 1)  # chain-major (A * j, kv, d)
-        bv = torch.stack([_rows(v) for v in chain_v], 1).flatten(0, 1)
+        bk = torch.stack([_rows(k, dt) for k in chain_k], 1).flatten(0, 1)  # chain-major (A * j, kv, d)
+        bv = torch.stack([_rows(v, dt) for v in chain_v], 1).flatten(0, 1)
         a = torch.arange(A)
         spec = BranchSpec(seq, limits, a * j, a * j + j)
         out = branch_attention(
-            _rows(q), bk, bv, _rows(k0), _rows(v0), spec, self.layout,
+            _rows(q, dt), bk, bv, _rows(k0, dt), _rows(v0, dt), spec, self.layout,
             group=self.group, kernel=self.kernel, stats=self.stats,
         )  # fmt: skip
         return out.transpose(0, 1).unsqueeze(0)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(1, heads, n, d) -> token-major (n, heads, d), as the ring kernels take them."""
-    return x[0].transpose(0, 1).contiguous()
+def _attention_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype one SDPA call would attend in: autocast's (bf16 in training), else the queries'."""
+    kind = q.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else q.dtype
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(1, heads, n, d) -> token-major (n, heads, d) in `dtype`, as the ring kernels take them
+    (under autocast the projections and the rotary embedding may leave q, k, v in different ones)."""
+    return x[0].transpose(0, 1).to(dtype).contiguous()
 
 
 def allreduce_gradients(module: nn.Module, group=None) -> None:

@@ -43,11 +43,11 @@ def torchrun(nproc: int, argv: Sequence[str], log_dir: str, module: str = "dcoco
     import logging
     import uuid
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own tracebacks
+    logging.disable(logging.CRITICAL)  # the launcher's own log lines and tracebacks: the ranks report
     os.makedirs(log_dir, exist_ok=True)
     config = LaunchConfig(
         min_nodes=1,
@@ -68,7 +68,8 @@ def torchrun(nproc: int, argv: Sequence[str], log_dir: str, module: str = "dcoco
             print(f"dcoco: error: rank {rank} failed (exit {failure.exitcode}); its output is under {log_dir}",
                   file=sys.stderr)  # fmt: skip
         return failure.exitcode if failure.exitcode > 0 else 1
-    except KeyboardInterrupt:  # the launcher has passed the signal on: the ranks saved and stopped
+    except (KeyboardInterrupt, SignalException):  # passed on to the ranks: they stopped at their last checkpoint
+        print("dcoco: interrupted", file=sys.stderr)
         return 130
     return 0
 

@@ -341,12 +341,10 @@ class GridRLRun(RLRun):
 
     # -- the run: rank 0 validates, logs and saves ------------------------------------------------------
     def run(self, progress: bool = True) -> None:
-        try:
-            if self.lead:
-                super().run(progress)
-            else:
-                while self.step < self.cfg.grpo.steps:
-                    self.train_step()
-        finally:
-            for ch in self.channels.values():
-                ch.close()
+        if self.lead:
+            super().run(progress)
+        else:
+            while self.step < self.cfg.grpo.steps:
+                self.train_step()
+        for ch in self.channels.values():  # both ends, after the last step (a killed rank just exits)
+            ch.close()
