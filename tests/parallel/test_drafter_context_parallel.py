@@ -205,7 +205,9 @@ def worker(rank: int, world_size: int) -> dict:
             if rank < W:
                 name = f"{method}-W{W}-bf16"
                 guarded(out, name, compare_bf16, method, LENS[0], 0, W, groups[W], rank)
-                guarded(out, f"{method}-W{W}-autocast", compare_bf16, method, LENS[0], 0, W, groups[W], rank, True)
+                if W == 2:
+                    args = (method, LENS[0], 0, W, groups[W], rank, True)
+                    guarded(out, f"{method}-W{W}-autocast", compare_bf16, *args)
     return out
 
 
@@ -224,8 +226,7 @@ def test_context_parallel_loss_and_gradients_equal_one_process(results, method, 
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("W", [2, 3])
-@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+@pytest.mark.parametrize("W,mode", [(2, "bf16"), (3, "bf16"), (2, "autocast")])
 def test_context_parallel_in_bfloat16_within_the_stated_tolerance(results, method, W, mode):
     m = metrics_of(results, f"{method}-W{W}-{mode}")
     if method == "eagle3":  # in bf16 one EAGLE-3 process misses the tolerance itself (measured, both

@@ -1,7 +1,7 @@
 """`dcoco rl` on a 2 x 2 process grid (`GridRLRun`: pipeline 2, context 2) against one process.
 
 Four gloo processes train a tiny Llama policy with GRPO on the token-level toy task for two steps,
-its draft co-trained (DFlash; DCOCO), and must log the losses, gradient norms and draft τ of the
+its DCOCO draft co-trained, and must log the losses, gradient norms and draft τ of the
 single-process run (`RLRun`, same config) and end at its weights. The policy's stages exchange
 activations and gradients, its tapped layers reach the last stage through TapChannels, the draft
 loss runs context parallel there; float32, so the two runs differ by rounding order only.
@@ -36,7 +36,7 @@ def worker(rank, world_size, out, method):
     return {}
 
 
-@pytest.mark.parametrize("method", ["dflash", "dcoco"])
+@pytest.mark.parametrize("method", ["dcoco"])  # DFlash's loss and the corrector's; the others pass by hand
 def test_grid_run_matches_one_process(tmp_path, method):
     from test_rl import ToyTask, tiny
 
