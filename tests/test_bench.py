@@ -3,7 +3,9 @@ run on real prompts (MT-Bench, HumanEval, a JSONL file) with a tiny model that h
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,7 +351,7 @@ def test_llamacpp_peer_plumbing_with_a_stub_module(monkeypatch, tmp_path):
     assert unavailable_reason("llamacpp", embedded=False).startswith("llamacpp: skipped")
     assert unavailable_reason("hf_assisted", embedded=True).startswith("hf_assisted: skipped")
 
-    peer = LlamaCppPeer(tiny_target(), tmp_path / "m.gguf", n_ctx=64, n_threads=2)
+    peer = LlamaCppPeer(tiny_target().eos_token_ids, tmp_path / "m.gguf", n_ctx=64, n_threads=2)
     assert seen["init"] == (str(tmp_path / "m.gguf"), 64, 2, False)
     run = peer.generate([[1, 2, 3], [4]], 0.0, 0, 1.0, [None, 5], max_new_tokens=3)
     assert run.token_ids == [[20, 21, 22], [20, 21, 22]] and run.output_tokens == 6 and run.acceptance_length is None
@@ -359,6 +361,38 @@ def test_llamacpp_peer_plumbing_with_a_stub_module(monkeypatch, tmp_path):
     kw = seen["gen"][-1][1]
     assert kw["temp"] == 1.0 and kw["top_k"] == 40 and kw["top_p"] == 0.9
     assert kw["min_p"] == 0.0 and kw["typical_p"] == 1.0 and kw["repeat_penalty"] == 1.0
+
+
+class SegfaultingPeer:
+    """A peer whose native code crashes while generating, as llama-cpp-python 0.3.36 did on an AMX CPU."""
+
+    def __init__(self, at_prompt: int):
+        self.at_prompt = at_prompt
+
+    def generate(self, prompts, temperature, top_k, top_p, seeds, max_new_tokens):
+        from dcoco.bench.peers import PeerRun
+
+        if len(prompts) > self.at_prompt:
+            import ctypes
+
+            ctypes.string_at(0)  # a real segmentation fault
+        return PeerRun([[7] * max_new_tokens for _ in prompts], 0.01)
+
+
+def test_a_peer_crash_ends_its_own_process_only():
+    from dcoco.bench.peers import IsolatedPeer, LlamaCppPeer, Unavailable
+
+    peer = IsolatedPeer("crashy", SegfaultingPeer, 1)
+    seen = []
+    assert peer.generate([[1, 2]], 0.0, 0, 1.0, [None], 3, on_prompt=seen.append).token_ids == [[7, 7, 7]]
+    assert seen == [3]
+    with pytest.raises(Unavailable, match="crashy: skipped - it crashed in its own process \\(signal SIGSEGV\\)"):
+        peer.generate([[1], [2]], 0.0, 0, 1.0, [None, None], 3)
+    assert not peer.proc.is_alive()
+    # a peer that cannot be built here says why, from its own process
+    if importlib.util.find_spec("llama_cpp") is None:
+        with pytest.raises(Unavailable, match="llama-cpp-python is not importable"):
+            IsolatedPeer("llamacpp", LlamaCppPeer, {0}, Path("m.gguf"), 64, 1)
 
 
 def test_drafter_checkpoints_count_as_available_and_are_fingerprinted(tmp_path):

@@ -14,7 +14,10 @@
   token ids (the GGUF carries the same vocabulary), with the same thread count; greedy at T=0, else
   temperature / top-k / top-p with min-p, typical-p and repetition penalties off. Skipped with a note when
   ``import llama_cpp`` fails (``pip install 'dcoco[llamacpp]'`` compiles llama.cpp: never time anything
-  while it builds) or when ``--model`` is not the embedded target.
+  while it builds) or when ``--model`` is not the embedded target. It runs in a process of its own
+  (`IsolatedPeer`): native code that crashes (llama-cpp-python 0.3.36 segfaulted on an AMX CPU as soon
+  as it evaluated a prompt in batches) ends that process only, and the bench records the peer as
+  skipped with the reason and goes on.
 
 Acceptance length for HF peers is measured by counting target forwards with a forward hook:
 ``tau = (output tokens - prompts) / (forwards - prompts)`` (every prompt's prefill produces one token),
@@ -23,6 +26,7 @@ which is the same quantity dcoco's `SpecStats` reports (1.0 for plain decoding).
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +133,9 @@ def find_assistant(target: Optional[Target]):
 
 
 class LlamaCppPeer:
-    """llama.cpp on the embedded target's GGUF, fed the same token ids."""
+    """llama.cpp on the embedded target's GGUF, fed the same token ids; `eos` the target's EOS ids."""
 
-    def __init__(self, target: Target, gguf: Path, n_ctx: int, n_threads: int):
+    def __init__(self, eos: set[int], gguf: Path, n_ctx: int, n_threads: int):
         try:
             import llama_cpp  # noqa: F401  (optional extra)
         except Exception as e:  # ImportError, or a broken native build
@@ -154,7 +158,7 @@ class LlamaCppPeer:
                 f"llamacpp: skipped - llama.cpp could not load {gguf.name}: "
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
             ) from None
-        self.eos = set(target.eos_token_ids)
+        self.eos = set(eos)
         try:
             self.eos.add(int(self.llm.token_eos()))
         except Exception:
@@ -189,6 +193,71 @@ class LlamaCppPeer:
             if on_prompt is not None:
                 on_prompt(len(outs[-1]))
         return PeerRun(outs, wall, None)
+
+
+class IsolatedPeer:
+    """A peer that runs in a process of its own, built there by `factory(*args)`: a crash of its
+    native code ends that process only, and surfaces here as `Unavailable` with the exit signal."""
+
+    def __init__(self, name: str, factory: Callable, *args):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # nothing of this process (threads, torch state) is inherited
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_peer, args=(child, factory, args), daemon=True)
+        self.proc.start()
+        child.close()
+        self._reply()  # built, or why not
+
+    def _reply(self):
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, ConnectionError):
+            self.proc.join(10)
+            code = self.proc.exitcode
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+            raise Unavailable(
+                f"{self.name}: skipped - it crashed in its own process ({how}); the other methods ran without it"
+            ) from None
+        if kind == "unavailable":
+            raise Unavailable(value)
+        if kind == "error":
+            raise Unavailable(f"{self.name}: skipped - {value}")
+        return value
+
+    def generate(self, prompts, temperature, top_k, top_p, seeds, max_new_tokens, on_prompt=None) -> PeerRun:
+        """The peer's own `generate`, in its process (each prompt timed there, as in-process)."""
+        self.conn.send((list(map(list, prompts)), temperature, top_k, top_p, list(seeds), max_new_tokens))
+        run: PeerRun = self._reply()
+        if on_prompt is not None:
+            for t in run.token_ids:
+                on_prompt(len(t))
+        return run
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.conn.close()  # the server sees EOF and returns
+            self.proc.join(10)
+
+
+def _serve_peer(conn, factory: Callable, args: tuple) -> None:
+    """The isolated peer's process: build it, then answer `generate` requests until EOF."""
+    try:
+        peer = factory(*args)
+    except Unavailable as e:
+        conn.send(("unavailable", str(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, ConnectionError):
+            return
+        try:
+            conn.send(("ok", peer.generate(*request)))
+        except Exception as e:  # noqa: BLE001 - reported as the peer's skip reason
+            conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 
 def unavailable_reason(name: str, *, embedded: bool) -> Optional[str]:
@@ -233,5 +302,5 @@ def make_peer(
             raise Unavailable("llamacpp: skipped - it runs the embedded target's GGUF only (no GGUF for --model)")
         from ..models import gguf_path
 
-        return LlamaCppPeer(target, gguf_path(), n_ctx=n_ctx, n_threads=threads)
+        return IsolatedPeer("llamacpp", LlamaCppPeer, set(target.eos_token_ids), gguf_path(), n_ctx, threads)
     raise Unavailable(f"{name}: unknown peer")
