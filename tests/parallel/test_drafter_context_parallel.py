@@ -229,8 +229,9 @@ def test_context_parallel_loss_and_gradients_equal_one_process(results, method, 
 @pytest.mark.parametrize("W,mode", [(2, "bf16"), (3, "bf16"), (2, "autocast")])
 def test_context_parallel_in_bfloat16_within_the_stated_tolerance(results, method, W, mode):
     m = metrics_of(results, f"{method}-W{W}-{mode}")
-    if method == "eagle3":  # in bf16 one EAGLE-3 process misses the tolerance itself (measured, both
-        # modes: loss 5e-3 of itself, gradients 2x the largest entry); context parallel adds nothing
+    if method == "eagle3":  # with this test's weights (N(0, 0.3) everywhere: extreme logits) one bf16
+        # EAGLE-3 process misses the tolerance itself (loss 5e-3 of itself, gradients 2x the largest
+        # entry; from the family's own initialisation: 0 and 0.5%); context parallel adds nothing
         assert m["cp_loss_err"] <= 1.25 * m["one_loss_err"] and m["cp_grad_err"] <= 1.25 * m["one_grad_err"], m
         return
     for run in ("one", "cp"):
