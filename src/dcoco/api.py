@@ -31,8 +31,15 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | None = None,
         max_batch_size: int = 32,
         target: Optional[Target] = None,
+        quantization: str = "none",
     ):
-        self.target = target if target is not None else Target.from_pretrained(model, dtype=dtype, device=device)
+        """`quantization`: "int8" loads the target with weight-only int8 linear layers
+        (`dcoco.nn.quantize`); speculative decoding is lossless with respect to that model."""
+        self.target = (
+            target
+            if target is not None
+            else Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
+        )
         self.max_batch_size = max_batch_size
         self.speculative_config = SpeculativeConfig.parse(speculative_config)
         self._drafters: dict[tuple, object] = {}

@@ -31,6 +31,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+QUANTIZATION_HELP = "weight-only quantization of the target's linear layers: none (default) or int8"
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default="none", metavar="Q", help=QUANTIZATION_HELP)
+
+
 def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
     from .speculative import METHODS
 
@@ -62,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
     g.add_argument("--json", action="store_true", help="print a JSON object per prompt on stdout")
     _add_model_args(g)
+    _add_quantization_arg(g)
     _add_spec_args(g, default_method=_default_method())
     _add_sampling_args(g)
 
@@ -125,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dtype", default=None, metavar="DTYPE", help="default bfloat16; float32 for exactness")
     b.add_argument("--device", default=None, metavar="DEVICE", help="cpu (default), cuda, ...")
+    b.add_argument("--quantization", default=None, metavar="Q", help=QUANTIZATION_HELP)
     b.add_argument("--threads", default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     b.add_argument(
         "--drafters",
@@ -259,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     _add_model_args(sv)
+    _add_quantization_arg(sv)
     _add_spec_args(sv, default_method=_model_free_method())
     sv.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the model directory's name)"
@@ -360,7 +370,9 @@ def cmd_generate(args) -> int:
     )
     cfg = SpeculativeConfig.parse(_spec_config(args))
     _setup(args)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=cfg)
+    llm = LLM(
+        model=args.model, dtype=args.dtype, device=args.device, speculative_config=cfg, quantization=args.quantization
+    )
     outs = llm.generate(prompts, sp, chat=not args.no_chat, progress=sys.stderr.isatty())
     for o in outs:
         if args.json:

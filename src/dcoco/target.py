@@ -77,10 +77,16 @@ class Target:
     # -- loading -----------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, path: Optional[str] = None, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+        cls,
+        path: Optional[str] = None,
+        dtype: str | torch.dtype = "bfloat16",
+        device: str = "cpu",
+        quantization: str = "none",
     ) -> "Target":
-        """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct)."""
+        """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct), its linear layers
+        weight-only quantized with `quantization` ("int8": `dcoco.nn.quantize`)."""
         from .models import default_model_dir
+        from .nn.quantize import quantize_linears
 
         path = str(path) if path is not None else str(default_model_dir())
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
@@ -90,6 +96,7 @@ class Target:
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
         model.to(device)
+        quantize_linears(model, quantization)
         tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
         return cls(model, tokenizer)
 

@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "num_prompts": 10,
     "max_new_tokens": 256,
     "dtype": "bfloat16",
+    "quantization": "none",
     "device": "cpu",
     "model": None,
     "num_speculative_tokens": None,
@@ -45,6 +46,7 @@ class BenchConfig:
     num_prompts: Optional[int] = 10
     max_new_tokens: int = 256
     dtype: str = "bfloat16"
+    quantization: str = "none"  # weight-only quantization of the target (`dcoco.nn.quantize`)
     device: str = "cpu"
     model: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
@@ -63,6 +65,7 @@ class BenchConfig:
         return {
             "model": self.model or "embedded:SmolLM2-135M-Instruct",
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "device": self.device,
             "max_new_tokens": self.max_new_tokens,
             "num_prompts": self.num_prompts,
@@ -212,6 +215,10 @@ def make_config(
         raise ConfigError(f"--top-p: must be in (0, 1], got {top_p}")
     if merged["dtype"] not in ("bfloat16", "float32", "float16"):
         raise ConfigError(f"--dtype: choose bfloat16, float32 or float16, got {merged['dtype']!r}")
+    from ..nn.quantize import QUANTIZATIONS
+
+    if merged["quantization"] not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization: choose one of {', '.join(QUANTIZATIONS)}, got {merged['quantization']!r}")
     threads = merged["threads"]
     threads = None if threads is None else _int(threads, "threads", 1, None)
 
@@ -236,6 +243,7 @@ def make_config(
         num_prompts=num_prompts,
         max_new_tokens=max_new,
         dtype=merged["dtype"],
+        quantization=merged["quantization"],
         device=merged["device"],
         model=None if merged["model"] is None else str(Path(merged["model"]).expanduser().resolve()),
         num_speculative_tokens=k,
@@ -264,6 +272,7 @@ CLI_OPTIONS = (
     "top_p",
     "model",
     "dtype",
+    "quantization",
     "device",
     "threads",
     "drafters",

@@ -329,7 +329,9 @@ class BenchRunner:
                 f"dcoco bench: loading {self.cfg.model or 'SmolLM2-135M-Instruct (embedded)'} "
                 f"({self.cfg.dtype}, {self.cfg.device})"
             )
-            self.target = Target.from_pretrained(self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device)
+            self.target = Target.from_pretrained(
+                self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device, quantization=self.cfg.quantization
+            )
         return self.target
 
     def _encode(self, prompts: list[Prompt]) -> tuple[list[Prompt], list[list[int]]]:

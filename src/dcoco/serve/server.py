@@ -29,6 +29,7 @@ def build_engine(
     load_aware: bool = False,
     draft_token_budget: int = 32,
     target: Optional[Target] = None,
+    quantization: str = "none",
 ) -> SpeculativeEngine:
     """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
     cfg = SpeculativeConfig.parse(
@@ -38,7 +39,8 @@ def build_engine(
         raise ConfigError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if load_aware and draft_token_budget < 1:
         raise ConfigError(f"--draft-token-budget must be >= 1, got {draft_token_budget}")
-    target = target if target is not None else Target.from_pretrained(model, dtype=dtype, device=device)
+    if target is None:
+        target = Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
     d = load_drafter(cfg, target)
     policy = LoadAwarePolicy(draft_token_budget) if load_aware and d is not None else None
     return SpeculativeEngine(target, d, cfg.num_speculative_tokens, max_batch_size, draft_policy=policy)
@@ -121,6 +123,7 @@ def run_server(args) -> int:
         max_batch_size=args.max_batch_size,
         load_aware=args.load_aware,
         draft_token_budget=args.draft_token_budget,
+        quantization=args.quantization,
     )
     name = args.served_model_name or model_name_for(args.model)
     k = engine.num_speculative_tokens

@@ -1,0 +1,64 @@
+"""Weight-only int8 targets (`--quantization int8`): the layer computes with its dequantized weight,
+and speculative decoding stays lossless with respect to the quantized model (greedy equality with
+its own vanilla decoding and HF generate in float32, sampling by a chi-square test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ModelDrafter, OracleDrafter, engine_lossless_pvalue, random_prompts, tiny_model
+
+from dcoco import ConfigError, SamplingParams
+from dcoco.engine import SpeculativeEngine
+from dcoco.nn.quantize import Int8Linear, quantize_linears
+from dcoco.target import Target
+
+
+def test_int8_linear_is_its_dequantized_weight():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40)
+    q = Int8Linear(lin.weight, lin.bias)
+    assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() == 127
+    assert (q.weight - lin.weight).abs().max() <= q.scale.max() / 2 + 1e-7  # rounding: half a step per channel
+    x = torch.randn(3, 5, 96)
+    want = x @ q.weight.T + lin.bias
+    assert torch.allclose(q(x), want, atol=1e-5)
+    xb = x.bfloat16()  # the decoding dtype
+    assert torch.allclose(q(xb).float(), (xb.float() @ q.weight.T + lin.bias), atol=0.1)
+
+
+def test_quantize_replaces_every_linear_and_keeps_the_embedding():
+    model = tiny_model("llama", seed=3, tie_word_embeddings=True)
+    embed = model.get_input_embeddings().weight.detach().clone()
+    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert quantize_linears(model, "int8") == n and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), Int8Linear)
+    assert torch.equal(model.get_input_embeddings().weight, embed)
+    assert quantize_linears(tiny_model("llama"), "none") == 0
+    with pytest.raises(ConfigError, match="int4"):
+        quantize_linears(tiny_model("llama"), "int4")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_speculative_greedy_equals_the_quantized_targets_own(family):
+    model = tiny_model(family, seed=1)
+    quantize_linears(model, "int8")
+    target = Target(model)
+    prompts = random_prompts(4, target.vocab_size, seed=2)
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, vanilla)}
+    outs, stats = SpeculativeEngine(target, OracleDrafter(refs, target.vocab_size, 0.3), 5).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and 0 < stats.accepted < stats.drafted
+    x = torch.tensor([prompts[0]])
+    hf = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                        pad_token_id=0)  # fmt: skip
+    assert hf[0, x.shape[1] :].tolist() == vanilla[0].token_ids
+
+
+def test_sampling_from_the_quantized_target_is_lossless():
+    model = tiny_model("llama", seed=21, vocab_size=5, initializer_range=0.08)
+    quantize_linears(model, "int8")
+    drafter = ModelDrafter(tiny_model("llama", seed=22, vocab_size=5, initializer_range=0.08), temperature=1.2)
+    pvalue, stats = engine_lossless_pvalue(Target(model), drafter, SamplingParams(temperature=1.0, max_tokens=3), 3000)
+    assert stats.accepted > 0 and pvalue > 1e-3
