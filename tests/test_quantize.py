@@ -1,6 +1,7 @@
-"""Weight-only int8 targets (`--quantization int8`): the layer computes with its dequantized weight,
-and speculative decoding stays lossless with respect to the quantized model (greedy equality with
-its own vanilla decoding and HF generate in float32, sampling by a chi-square test)."""
+"""Weight-only int8 targets (`--quantization int8`) and exact attention (`--exact`). The int8 layer
+computes with its dequantized weight, and speculative decoding stays lossless with respect to the
+quantized model (greedy equality with its own vanilla decoding and HF generate in float32, sampling
+by a chi-square test). With exact attention, greedy speculative output equals vanilla's in bf16."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def test_sampling_from_the_quantized_target_is_lossless():
     drafter = ModelDrafter(tiny_model("llama", seed=22, vocab_size=5, initializer_range=0.08), temperature=1.2)
     pvalue, stats = engine_lossless_pvalue(Target(model), drafter, SamplingParams(temperature=1.0, max_tokens=3), 3000)
     assert stats.accepted > 0 and pvalue > 1e-3
+
+
+def test_exact_attention_makes_bf16_speculative_greedy_equal_vanilla():
+    """bf16, a batch with padding and holes: every token's logits as a 1-token step gives them."""
+    # flat logits with near-ties: without `exact`, one of these answers differs at k = 5 (measured)
+    model = tiny_model("llama", seed=7, initializer_range=0.01).bfloat16()
+    target = Target(model, exact=True)
+    prompts = random_prompts(4, target.vocab_size, seed=5)
+    sp = SamplingParams(max_tokens=40)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    refs = {tuple(p): o.token_ids for p, o in zip(prompts, vanilla)}
+    for k in (2, 5):
+        drafter = OracleDrafter(refs, target.vocab_size, 0.4, seed=k)
+        outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=3).generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and 0 < stats.accepted < stats.drafted

@@ -32,13 +32,15 @@ class LLM:
         max_batch_size: int = 32,
         target: Optional[Target] = None,
         quantization: str = "none",
+        exact: bool = False,
     ):
         """`quantization`: "int8" loads the target with weight-only int8 linear layers
-        (`dcoco.nn.quantize`); speculative decoding is lossless with respect to that model."""
+        (`dcoco.nn.quantize`); speculative decoding is lossless with respect to that model. `exact`:
+        each token's attention on its own, so greedy output equals vanilla's in bf16 too (`Target`)."""
         self.target = (
             target
             if target is not None
-            else Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
+            else Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization, exact=exact)
         )
         self.max_batch_size = max_batch_size
         self.speculative_config = SpeculativeConfig.parse(speculative_config)

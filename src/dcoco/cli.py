@@ -32,10 +32,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 QUANTIZATION_HELP = "weight-only quantization of the target's linear layers: none (default) or int8"
+EXACT_HELP = "each token attends over exactly the keys it sees, on its own: greedy output equals vanilla's in bf16 too"
 
 
 def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    """The target's numerics beyond its dtype: --quantization and --exact."""
     p.add_argument("--quantization", default="none", metavar="Q", help=QUANTIZATION_HELP)
+    p.add_argument("--exact", action="store_true", help=EXACT_HELP)
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default=None, metavar="DTYPE", help="default bfloat16; float32 for exactness")
     b.add_argument("--device", default=None, metavar="DEVICE", help="cpu (default), cuda, ...")
     b.add_argument("--quantization", default=None, metavar="Q", help=QUANTIZATION_HELP)
+    b.add_argument("--exact", action="store_true", default=None, help=EXACT_HELP)
     b.add_argument("--threads", default=None, metavar="N", help="torch CPU threads (default: torch's choice)")
     b.add_argument(
         "--drafters",
@@ -371,7 +375,12 @@ def cmd_generate(args) -> int:
     cfg = SpeculativeConfig.parse(_spec_config(args))
     _setup(args)
     llm = LLM(
-        model=args.model, dtype=args.dtype, device=args.device, speculative_config=cfg, quantization=args.quantization
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        speculative_config=cfg,
+        quantization=args.quantization,
+        exact=args.exact,
     )
     outs = llm.generate(prompts, sp, chat=not args.no_chat, progress=sys.stderr.isatty())
     for o in outs:

@@ -18,12 +18,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .errors import InvalidPromptError, ModelNotFoundError, PromptTooLongError
 from .kv import KVBatch, pad_rows
+from .nn.attention import EXACT_NAME as EXACT_GQA
 from .nn.attention import NAME as PACKED_GQA
 from .nn.attention import register as register_packed_gqa
 from .nn.prepack import prepack_linears
 
-BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA)  # read our boolean 4-D masks as they are
-CAUSAL_SKIP = ("sdpa", PACKED_GQA)  # without a mask, causal from position 0
+BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA, EXACT_GQA)  # read our boolean 4-D masks as they are
+CAUSAL_SKIP = ("sdpa", PACKED_GQA, EXACT_GQA)  # without a mask, causal from position 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,8 +51,12 @@ class Target:
     bf16 `nn.Linear` modules become `PrepackedLinear` in place (`dcoco.nn.prepack`; same outputs).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, exact: bool = False):
+        """`exact`: each token's attention over exactly the keys it sees, on its own
+        (`dcoco.nn.attention`), so that its logits do not depend on the tokens sharing its pass:
+        speculative greedy output then equals vanilla's in bf16 too."""
         self.model = model.eval()
+        self.exact = exact
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config()
         self.config = cfg
@@ -70,9 +75,11 @@ class Target:
             # grouped-query attention as plain SDPA over the K/V heads (`dcoco.nn.attention`): 5x
             # faster per attention call when decoding a batch; same math; DCOCO_PACKED_GQA=0 opts out
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")  # the plain SDPA path: no K/V repeat
-            if os.environ.get("DCOCO_PACKED_GQA", "1") != "0" and cfg._attn_implementation == "sdpa":
+            if not exact and os.environ.get("DCOCO_PACKED_GQA", "1") != "0" and cfg._attn_implementation == "sdpa":
                 model.set_attn_implementation(register_packed_gqa())
             prepack_linears(model)  # bf16 weights packed once for oneDNN; DCOCO_PREPACK=0 opts out
+        if exact:
+            model.set_attn_implementation(register_packed_gqa(exact=True))
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -82,9 +89,11 @@ class Target:
         dtype: str | torch.dtype = "bfloat16",
         device: str = "cpu",
         quantization: str = "none",
+        exact: bool = False,
     ) -> "Target":
         """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct), its linear layers
-        weight-only quantized with `quantization` ("int8": `dcoco.nn.quantize`)."""
+        weight-only quantized with `quantization` ("int8": `dcoco.nn.quantize`); `exact`: see
+        `__init__`."""
         from .models import default_model_dir
         from .nn.quantize import quantize_linears
 
@@ -98,7 +107,7 @@ class Target:
         model.to(device)
         quantize_linears(model, quantization)
         tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
-        return cls(model, tokenizer)
+        return cls(model, tokenizer, exact=exact)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -23,6 +23,7 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 256,
     "dtype": "bfloat16",
     "quantization": "none",
+    "exact": False,
     "device": "cpu",
     "model": None,
     "num_speculative_tokens": None,
@@ -47,6 +48,7 @@ class BenchConfig:
     max_new_tokens: int = 256
     dtype: str = "bfloat16"
     quantization: str = "none"  # weight-only quantization of the target (`dcoco.nn.quantize`)
+    exact: bool = False  # each token's attention on its own (`Target(exact=True)`)
     device: str = "cpu"
     model: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
@@ -66,6 +68,7 @@ class BenchConfig:
             "model": self.model or "embedded:SmolLM2-135M-Instruct",
             "dtype": self.dtype,
             "quantization": self.quantization,
+            "exact": self.exact,
             "device": self.device,
             "max_new_tokens": self.max_new_tokens,
             "num_prompts": self.num_prompts,
@@ -244,6 +247,7 @@ def make_config(
         max_new_tokens=max_new,
         dtype=merged["dtype"],
         quantization=merged["quantization"],
+        exact=bool(merged["exact"]),
         device=merged["device"],
         model=None if merged["model"] is None else str(Path(merged["model"]).expanduser().resolve()),
         num_speculative_tokens=k,
@@ -273,6 +277,7 @@ CLI_OPTIONS = (
     "model",
     "dtype",
     "quantization",
+    "exact",
     "device",
     "threads",
     "drafters",
@@ -291,7 +296,9 @@ def command_line(args) -> str:
     parts = ["bench"] + (["--preset", args.preset] if getattr(args, "preset", None) else [])
     for k in CLI_OPTIONS:
         v = getattr(args, k, None)
-        if v is not None:
+        if v is True:  # a flag
+            parts.append("--" + k.replace("_", "-"))
+        elif v is not None:
             parts += ["--" + k.replace("_", "-"), str(v)]
     return "dcoco " + shlex.join(parts)
 

@@ -330,7 +330,11 @@ class BenchRunner:
                 f"({self.cfg.dtype}, {self.cfg.device})"
             )
             self.target = Target.from_pretrained(
-                self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device, quantization=self.cfg.quantization
+                self.cfg.model,
+                dtype=self.cfg.dtype,
+                device=self.cfg.device,
+                quantization=self.cfg.quantization,
+                exact=self.cfg.exact,
             )
         return self.target
 

@@ -8,6 +8,12 @@ one longer query block, (B, H, q, d) -> (B, H_kv, (H/H_kv)*q, d), is the same ma
 attention over H_kv heads: 1.9 ms for that step, and 0.31 -> 0.09 ms for one request
 (`scripts/attention_kernels.py`). Registered with transformers as `dcoco_gqa`; the target selects
 it on CPU. Forwards without an explicit mask (causal training forwards) take transformers' SDPA.
+
+`dcoco_gqa_exact` (`Target(exact=True)`, `--exact`) attends every query row on its own: the keys it
+sees, gathered in order, one SDPA call without a mask. A token's attention then does not depend on
+how many tokens share its pass nor on the cache's holes and padding, so a k+1-token verification
+pass gives each token bitwise the logits of a 1-token decoding step (the linear layers, norms and
+rotary embedding are row-invariant already): greedy speculative output equals vanilla's in bf16.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 NAME = "dcoco_gqa"
+EXACT_NAME = "dcoco_gqa_exact"
 
 
 def packed_gqa_attention(
@@ -52,11 +59,40 @@ def packed_gqa_attention(
     return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Make `dcoco_gqa` a transformers attention implementation (idempotent); returns its name."""
+def exact_gqa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`packed_gqa_attention`, one query row at a time over exactly the keys it sees (see above)."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    B, H, q, d = query.shape
+    Hkv = key.shape[1]
+    out = query.new_empty(B, q, H, d)
+    for b in range(B):
+        mask = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0]  # (q, L)
+        for i in range(q):
+            seen = mask[i]
+            k, v = key[b : b + 1, :, seen].contiguous(), value[b : b + 1, :, seen].contiguous()
+            rows = query[b : b + 1, :, i].reshape(1, Hkv, H // Hkv, d).contiguous()  # head h = g * n + r
+            out[b, i] = F.scaled_dot_product_attention(rows, k, v, scale=scaling).reshape(H, d)
+    return out, None
+
+
+def register(exact: bool = False) -> str:
+    """Make `dcoco_gqa` (or `dcoco_gqa_exact`) a transformers attention implementation (idempotent);
+    returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(NAME, packed_gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-    return NAME
+    name = EXACT_NAME if exact else NAME
+    AttentionInterface.register(name, exact_gqa_attention if exact else packed_gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name

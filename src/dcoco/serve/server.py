@@ -30,6 +30,7 @@ def build_engine(
     draft_token_budget: int = 32,
     target: Optional[Target] = None,
     quantization: str = "none",
+    exact: bool = False,
 ) -> SpeculativeEngine:
     """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
     cfg = SpeculativeConfig.parse(
@@ -40,7 +41,7 @@ def build_engine(
     if load_aware and draft_token_budget < 1:
         raise ConfigError(f"--draft-token-budget must be >= 1, got {draft_token_budget}")
     if target is None:
-        target = Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization)
+        target = Target.from_pretrained(model, dtype=dtype, device=device, quantization=quantization, exact=exact)
     d = load_drafter(cfg, target)
     policy = LoadAwarePolicy(draft_token_budget) if load_aware and d is not None else None
     return SpeculativeEngine(target, d, cfg.num_speculative_tokens, max_batch_size, draft_policy=policy)
@@ -124,6 +125,7 @@ def run_server(args) -> int:
         load_aware=args.load_aware,
         draft_token_budget=args.draft_token_budget,
         quantization=args.quantization,
+        exact=args.exact,
     )
     name = args.served_model_name or model_name_for(args.model)
     k = engine.num_speculative_tokens
