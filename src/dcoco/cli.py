@@ -588,7 +588,7 @@ def cmd_rl(args) -> int:
         raise ConfigError("--out is for 'rl compare'; set the run directory with run.out=DIR")
     from .parallel.launch import launched, torchrun
     from .rl.config import check_rl_parallel, load_rl_config
-    from .rl.loop import run_rl
+    from .rl.run import run_rl
 
     cfg = load_rl_config(args.config, args.overrides)
     check_rl_parallel(cfg)
