@@ -1,5 +1,5 @@
-"""Weight-only int8 targets (`--quantization int8`) and exact attention (`--exact`). The int8 layer
-computes with its dequantized weight, and speculative decoding stays lossless with respect to the
+"""Weight-only int8 and int4 targets (`--quantization`) and exact attention (`--exact`). A quantized
+layer computes with its dequantized weight, and speculative decoding stays lossless with respect to the
 quantized model (greedy equality with its own vanilla decoding and HF generate in float32, sampling
 by a chi-square test). With exact attention, greedy speculative output equals vanilla's in bf16."""
 
@@ -11,7 +11,7 @@ from conftest import ModelDrafter, OracleDrafter, engine_lossless_pvalue, random
 
 from dcoco import ConfigError, SamplingParams
 from dcoco.engine import SpeculativeEngine
-from dcoco.nn.quantize import Int8Linear, quantize_linears
+from dcoco.nn.quantize import Int4Linear, Int8Linear, quantize_linears
 from dcoco.target import Target
 
 
@@ -28,22 +28,41 @@ def test_int8_linear_is_its_dequantized_weight():
     assert torch.allclose(q(xb).float(), (xb.float() @ q.weight.T + lin.bias), atol=0.1)
 
 
+@pytest.mark.parametrize("out_features", [64, 40])  # torch's kernel; the dequantized fallback (not a multiple of 16)
+def test_int4_linear_is_its_dequantized_weight(out_features):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, out_features)
+    q = Int4Linear(lin.weight, lin.bias)
+    assert (q.packed is not None) == (out_features % 16 == 0) and q.group == 32
+    steps = q.step.repeat_interleave(32, dim=1)  # (out, in): each weight's own group step
+    assert ((q.weight - lin.weight).abs() <= steps / 2 + 1e-6).all()  # rounding: half a step per group
+    groups = q.weight.view(out_features, 3, 32)  # a group's weights lie on its own 16-value grid
+    assert torch.allclose(groups.amin(-1), q.low) and torch.allclose(groups.amax(-1), q.low + 15 * q.step, atol=1e-6)
+    x = torch.randn(3, 5, 96)
+    assert torch.allclose(q(x), x @ q.weight.T + lin.bias, atol=1e-5)
+    xb = x.bfloat16()  # the decoding dtype
+    assert torch.allclose(q(xb).float(), (xb.float() @ q.weight.T + lin.bias), atol=0.1)
+
+
 def test_quantize_replaces_every_linear_and_keeps_the_embedding():
-    model = tiny_model("llama", seed=3, tie_word_embeddings=True)
-    embed = model.get_input_embeddings().weight.detach().clone()
-    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert quantize_linears(model, "int8") == n and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert isinstance(model.get_output_embeddings(), Int8Linear)
-    assert torch.equal(model.get_input_embeddings().weight, embed)
+    for quantization, decoder_kind in (("int8", Int8Linear), ("int4", Int4Linear)):
+        model = tiny_model("llama", seed=3, tie_word_embeddings=True)
+        embed = model.get_input_embeddings().weight.detach().clone()
+        n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert quantize_linears(model, quantization) == n
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert isinstance(model.get_output_embeddings(), Int8Linear)  # the head stays int8 under int4
+        assert isinstance(model.model.layers[0].mlp.down_proj, decoder_kind)
+        assert torch.equal(model.get_input_embeddings().weight, embed)
     assert quantize_linears(tiny_model("llama"), "none") == 0
-    with pytest.raises(ConfigError, match="int4"):
-        quantize_linears(tiny_model("llama"), "int4")
+    with pytest.raises(ConfigError, match="int2"):
+        quantize_linears(tiny_model("llama"), "int2")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_speculative_greedy_equals_the_quantized_targets_own(family):
+@pytest.mark.parametrize("family,quantization", [("llama", "int8"), ("qwen3", "int8"), ("llama", "int4")])
+def test_speculative_greedy_equals_the_quantized_targets_own(family, quantization):
     model = tiny_model(family, seed=1)
-    quantize_linears(model, "int8")
+    quantize_linears(model, quantization)
     target = Target(model)
     prompts = random_prompts(4, target.vocab_size, seed=2)
     sp = SamplingParams(max_tokens=30)
@@ -57,9 +76,10 @@ def test_speculative_greedy_equals_the_quantized_targets_own(family):
     assert hf[0, x.shape[1] :].tolist() == vanilla[0].token_ids
 
 
-def test_sampling_from_the_quantized_target_is_lossless():
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_sampling_from_the_quantized_target_is_lossless(quantization):
     model = tiny_model("llama", seed=21, vocab_size=5, initializer_range=0.08)
-    quantize_linears(model, "int8")
+    quantize_linears(model, quantization)
     drafter = ModelDrafter(tiny_model("llama", seed=22, vocab_size=5, initializer_range=0.08), temperature=1.2)
     pvalue, stats = engine_lossless_pvalue(Target(model), drafter, SamplingParams(temperature=1.0, max_tokens=3), 3000)
     assert stats.accepted > 0 and pvalue > 1e-3

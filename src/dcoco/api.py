@@ -34,7 +34,7 @@ class LLM:
         quantization: str = "none",
         exact: bool = False,
     ):
-        """`quantization`: "int8" loads the target with weight-only int8 linear layers
+        """`quantization`: "int8" or "int4" loads the target with weight-only quantized linear layers
         (`dcoco.nn.quantize`); speculative decoding is lossless with respect to that model. `exact`:
         each token's attention on its own, so greedy output equals vanilla's in bf16 too (`Target`)."""
         self.target = (

@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-QUANTIZATION_HELP = "weight-only quantization of the target's linear layers: none (default) or int8"
+QUANTIZATION_HELP = "weight-only quantization of the target's linear layers: none (default), int8 or int4"
 EXACT_HELP = "each token attends over exactly the keys it sees, on its own: greedy output equals vanilla's in bf16 too"
 
 

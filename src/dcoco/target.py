@@ -92,7 +92,7 @@ class Target:
         exact: bool = False,
     ) -> "Target":
         """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct), its linear layers
-        weight-only quantized with `quantization` ("int8": `dcoco.nn.quantize`); `exact`: see
+        weight-only quantized with `quantization` ("int8", "int4": `dcoco.nn.quantize`); `exact`: see
         `__init__`."""
         from .models import default_model_dir
         from .nn.quantize import quantize_linears

@@ -1,14 +1,21 @@
-"""Weight-only int8 quantization of a target's linear layers (`--quantization int8`).
+"""Weight-only int8 and int4 quantization of a target's linear layers (`--quantization int8|int4`).
 
 Decoding on a CPU streams every weight once per step: bf16 weights are 2 bytes a parameter, int8
-ones 1. Each output channel keeps its own scale (symmetric: scale = max |w| / 127, w ~ q * scale),
-and the product runs in torch's own CPU kernel for int8 weights (`aten._weight_int8pack_mm`:
-activations in bf16 or float32, the weight dequantized inside the kernel). The model that results
-IS the target: speculative decoding is lossless with respect to it, not to the bf16 model.
+ones 1, int4 ones a half. The products run in torch's own CPU kernels, which dequantize inside
+(activations in bf16 or float32). The model that results IS the target: speculative decoding is
+lossless with respect to it, not to the bf16 model.
+
+- int8: one scale per output channel (symmetric: scale = max |w| / 127, w ~ q * scale),
+  `aten._weight_int8pack_mm`.
+- int4: groups of 32 input channels, each with its own step and minimum (w ~ min + q * step,
+  q in 0..15: llama.cpp's Q4_1 layout), `aten._weight_int4pack_mm_for_cpu`. The LM head is int8, as
+  GGUF files keep their output layer above 4 bits. The embedded target was dequantized from a
+  Q4_1 GGUF, so its decoder weights are already on such grids: int4 recovers them up to bf16
+  rounding of the steps.
 
 Every `nn.Linear` of the decoder and the LM head is replaced; the input embedding keeps its weight,
-so a tied LM head gets its own int8 copy. Readers of `.weight` (a drafter's draft-vocabulary rows,
-the training losses' target head) get the dequantized weight, built on first use and kept.
+so a tied LM head gets its own quantized copy. Readers of `.weight` (a drafter's draft-vocabulary
+rows, the training losses' target head) get the dequantized weight, built on first use and kept.
 """
 
 from __future__ import annotations
@@ -21,10 +28,10 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
-__all__ = ["QUANTIZATIONS", "Int8Linear", "quantize_linears"]
+__all__ = ["QUANTIZATIONS", "Int4Linear", "Int8Linear", "quantize_linears"]
 
 #: the weight-only quantizations a target can be loaded with
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 class Int8Linear(nn.Module):
@@ -61,17 +68,76 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
 
 
+class Int4Linear(nn.Module):
+    """A frozen linear layer with 4-bit weights in groups of `GROUP` input channels, each group with
+    its own step and minimum. Shapes torch's kernel cannot take (output channels not a multiple of
+    16) multiply by the dequantized weight: the same numbers, only slower."""
+
+    GROUP = 32
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = n, k = w.shape
+        g = self.GROUP if k % self.GROUP == 0 else k  # one group per row when the groups do not fit
+        groups = w.view(n, k // g, g)
+        low = groups.amin(dim=-1)
+        step = ((groups.amax(dim=-1) - low) / 15).clamp_min(1e-12)
+        q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.group = g
+        self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))  # two per byte
+        self.register_buffer("step", step.to(weight.dtype))  # (n, k / g)
+        self.register_buffer("low", low.to(weight.dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        kernel = weight.device.type == "cpu" and n % 16 == 0 and g in (32, 64, 128, 256) and k % 2 == 0
+        # the kernel's operands: its own packing of q, and per group (step, value at q = 8), (k / g, n, 2)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2) if kernel else None
+        self.register_buffer("packed", packed, persistent=False)
+        mids = torch.stack([step, low + 8 * step], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("steps_and_mids", mids, persistent=False)
+        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self._dequantized: Optional[torch.Tensor] = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (out, in), in the layer's dtype: what the layer multiplies by."""
+        if self._dequantized is None:
+            q = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).view(self.out_features, -1, self.group)
+            w = self.low.float()[..., None] + q.float() * self.step.float()[..., None]
+            self._dequantized = w.view(self.out_features, self.in_features).to(self.step.dtype)
+        return self._dequantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        sz = self._by_dtype.get(x.dtype)
+        if sz is None:
+            sz = self._by_dtype[x.dtype] = self.steps_and_mids.to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features).contiguous(), self.packed, self.group, sz
+        )
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of {self.group}"
+
+
 def quantize_linears(model: nn.Module, quantization: str) -> int:
-    """Replace `model`'s linear layers (decoder and LM head) by `Int8Linear` in place for
-    `quantization="int8"`; "none" leaves it. Returns how many were replaced."""
+    """Replace `model`'s linear layers (decoder and LM head) in place: by `Int8Linear` for
+    `quantization="int8"`; for "int4" by `Int4Linear`, the LM head by `Int8Linear`. "none" leaves
+    them. Returns how many were replaced."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"--quantization: choose one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "none":
         return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
+                kind = Int4Linear if quantization == "int4" and child is not head else Int8Linear
+                setattr(parent, name, kind(child.weight, child.bias))
                 replaced += 1
     return replaced
