@@ -21,6 +21,7 @@ from .kv import KVBatch, pad_rows
 from .nn.attention import EXACT_NAME as EXACT_GQA
 from .nn.attention import NAME as PACKED_GQA
 from .nn.attention import register as register_packed_gqa
+from .nn.lean import LeanDecoder, lean_supported
 from .nn.prepack import prepack_linears
 
 BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA, EXACT_GQA)  # read our boolean 4-D masks as they are
@@ -80,6 +81,9 @@ class Target:
             prepack_linears(model)  # bf16 weights packed once for oneDNN; DCOCO_PREPACK=0 opts out
         if exact:
             model.set_attn_implementation(register_packed_gqa(exact=True))
+        # Llama-family decoders run as fewer, fused ops (`dcoco.nn.lean`); DCOCO_LEAN=0 opts out
+        lean = os.environ.get("DCOCO_LEAN", "1") != "0" and lean_supported(model)
+        self._lean = LeanDecoder(model) if lean else None
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod
@@ -227,16 +231,20 @@ class Target:
                 ~mask, torch.finfo(self.dtype).min
             )
         self._captured = {}
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=kv.cache,
-            use_cache=True,
-            logits_to_keep=logits_at.to(self.device) if logits_at is not None else 0,
-        )
+        keep = logits_at.to(self.device) if logits_at is not None else 0
+        if self._lean is not None:
+            logits = self._lean.forward(tokens, position_ids, mask, kv.cache, keep, self._taps, self._captured)
+        else:
+            logits = self.model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=kv.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            ).logits
         feats = self.captured() if self._taps else None
-        return ForwardOutput(logits=out.logits.float(), features=feats)
+        return ForwardOutput(logits=logits.float(), features=feats)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[KVBatch, ForwardOutput]:
         """A new batch holding `prompts` (right-padded); returns last-token logits (B, V) and the

@@ -41,11 +41,23 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.out_features, self.in_features = w.shape
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self._set(q, scale.to(weight.dtype), None if bias is None else bias.detach().clone())
+
+    def _set(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+        self.out_features, self.in_features = qweight.shape
         self._dequantized: Optional[torch.Tensor] = None
+
+    @classmethod
+    def concat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
+        """One layer whose outputs are `layers`' outputs side by side (the same numbers)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._set(torch.cat([m.qweight for m in layers]), torch.cat([m.scale for m in layers]), _concat_biases(layers))
+        return fused
 
     @property
     def weight(self) -> torch.Tensor:
@@ -84,12 +96,18 @@ class Int4Linear(nn.Module):
         low = groups.amin(dim=-1)
         step = ((groups.amax(dim=-1) - low) / 15).clamp_min(1e-12)
         q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-        self.group = g
+        bias = None if bias is None else bias.detach().clone()
+        self._set(q, step.to(weight.dtype), low.to(weight.dtype), bias)
+
+    def _set(self, q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        """From the 4-bit values q (n, k) as int32, and per group the step and minimum (n, k / group)."""
+        self.out_features, self.in_features = n, k = q.shape
+        self.group = g = k // step.shape[1]
         self.register_buffer("qweight", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))  # two per byte
-        self.register_buffer("step", step.to(weight.dtype))  # (n, k / g)
-        self.register_buffer("low", low.to(weight.dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        kernel = weight.device.type == "cpu" and n % 16 == 0 and g in (32, 64, 128, 256) and k % 2 == 0
+        self.register_buffer("step", step)
+        self.register_buffer("low", low)
+        self.register_buffer("bias", bias)
+        kernel = q.device.type == "cpu" and n % 16 == 0 and g in (32, 64, 128, 256) and k % 2 == 0
         # the kernel's operands: its own packing of q, and per group (step, value at q = 8), (k / g, n, 2)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2) if kernel else None
         self.register_buffer("packed", packed, persistent=False)
@@ -98,11 +116,28 @@ class Int4Linear(nn.Module):
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self._dequantized: Optional[torch.Tensor] = None
 
+    def _values(self) -> torch.Tensor:
+        """The 4-bit values (out, in) as int32."""
+        return torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).view(self.out_features, -1).to(torch.int32)
+
+    @classmethod
+    def concat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
+        """One layer whose outputs are `layers`' outputs side by side (the same numbers)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused._set(
+            torch.cat([m._values() for m in layers]),
+            torch.cat([m.step for m in layers]),
+            torch.cat([m.low for m in layers]),
+            _concat_biases(layers),
+        )
+        return fused
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight (out, in), in the layer's dtype: what the layer multiplies by."""
         if self._dequantized is None:
-            q = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).view(self.out_features, -1, self.group)
+            q = self._values().view(self.out_features, -1, self.group)
             w = self.low.float()[..., None] + q.float() * self.step.float()[..., None]
             self._dequantized = w.view(self.out_features, self.in_features).to(self.step.dtype)
         return self._dequantized
@@ -122,6 +157,14 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of {self.group}"
+
+
+def _concat_biases(layers) -> Optional[torch.Tensor]:
+    """The layers' biases end to end (zeros for those without), or None when none has one."""
+    biases = [m.bias for m in layers if m.bias is not None]
+    if not biases:
+        return None
+    return torch.cat([m.bias if m.bias is not None else biases[0].new_zeros(m.out_features) for m in layers])
 
 
 def quantize_linears(model: nn.Module, quantization: str) -> int:
