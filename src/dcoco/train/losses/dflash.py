@@ -20,10 +20,9 @@ from ..batch import Batch, batch_anchors, make_batch, position_weights
 class DrafterLoss:
     """Forward a batch through a DFlash backbone and compute the decayed cross-entropy."""
 
-    # runs under context parallelism (`dcoco.parallel.ContextShard`): a block's queries read the
+    # under context parallelism (`dcoco.parallel.ContextShard.attach`) a block's queries read the
     # context before its anchor over the ring, the target's distribution at its slots (`TargetHead`)
     # from whichever rank holds those rows
-    context_parallel = True
 
     def __init__(
         self,

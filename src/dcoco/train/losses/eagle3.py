@@ -99,9 +99,8 @@ def ttt_weights(steps: int, decay: float) -> torch.Tensor:
 
 
 class Eagle3Loss:
-    # runs under context parallelism (`dcoco.parallel.ContextShard`): step 0 over the ring, the
+    # under context parallelism (`dcoco.parallel.ContextShard.attach`): step 0 over the ring, the
     # chains through branch attention, the target's distribution from the rank holding its row
-    context_parallel = True
 
     def __init__(
         self,
