@@ -85,10 +85,12 @@ def test_sampling_from_the_quantized_target_is_lossless(quantization):
     assert stats.accepted > 0 and pvalue > 1e-3
 
 
-def test_exact_attention_makes_bf16_speculative_greedy_equal_vanilla():
+@pytest.mark.parametrize("quantization", ["none", "int4"])  # torch's int4 kernel is row-invariant too
+def test_exact_attention_makes_bf16_speculative_greedy_equal_vanilla(quantization):
     """bf16, a batch with padding and holes: every token's logits as a 1-token step gives them."""
     # flat logits with near-ties: without `exact`, one of these answers differs at k = 5 (measured)
     model = tiny_model("llama", seed=7, initializer_range=0.01).bfloat16()
+    quantize_linears(model, quantization)
     target = Target(model, exact=True)
     prompts = random_prompts(4, target.vocab_size, seed=5)
     sp = SamplingParams(max_tokens=40)
