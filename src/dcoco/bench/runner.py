@@ -190,6 +190,10 @@ def drafter_fingerprint(method: str, path: Optional[str]) -> Optional[str]:
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
             if f.name == "config.json":
                 h.update(f.read_bytes())
+    try:  # shown relative to the working directory when inside it: reports name no machine's paths
+        root = root.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        pass
     return f"{root}@{h.hexdigest()[:12]}"
 
 
