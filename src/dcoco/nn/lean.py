@@ -1,11 +1,11 @@
 """The target's decoder stack as few tensor ops as possible, for Llama-family models.
 
-A decode step of a small model on a CPU costs as much in dispatch as in weight streaming: each of
+A decode step of a small model on a CPU costs more in dispatch than in weight streaming: each of
 the ~100 tensor ops per decoder layer of Hugging Face's forward costs a few microseconds, against
 ~8 ms for all of SmolLM2-135M's int4 weights. `LeanDecoder` computes what that forward computes
 (the same weights, norms, rotary embedding, attention function and cache) with q/k/v and gate/up
 each one product over a fused weight, and the rotary embedding, residuals and taps written out:
-22-43% less time per step on a 2-core CPU (docs/experiments).
+7-13% more tokens/s on a 2-core CPU (`scripts/lean_ab.py`, docs/experiments).
 
 Fused weights are built on first use and rebuilt when a source weight changes (an optimizer step
 on a policy). Other architectures, and sliding-window attention, take Hugging Face's forward.
