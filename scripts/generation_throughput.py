@@ -4,6 +4,7 @@ prompts) are kept in flight, finished ones replaced at once, and the generated t
 over a window after a warm-up.
 
   python scripts/generation_throughput.py --batch-sizes 8,32,64,128,256 --seconds 40 --out DIR [--turns all]
+      [--quantizations none,int4]
 
 Writes DIR/generation_throughput.{json,md,png}.
 """
@@ -68,30 +69,32 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantizations", default="none", help="comma-separated weight quantizations: none, int8, int4")
     ap.add_argument("--out", default="runs/generation-throughput")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = Target.from_pretrained(dtype=args.dtype)
-    prompts = []
-    for p in sharegpt_train_prompts(args.turns):
-        ids = target.encode(p.messages)
-        if len(ids) <= args.max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) >= 2000:
-            break
-    rows = []
-    for b in (int(x) for x in args.batch_sizes.split(",")):
-        row = measure(target, prompts, b, args.seconds, args.warmup, args.max_tokens)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows, prompts = [], []
+    for quantization in args.quantizations.split(","):
+        target = Target.from_pretrained(dtype=args.dtype, quantization=quantization)
+        for p in sharegpt_train_prompts(args.turns) if not prompts else ():
+            ids = target.encode(p.messages)
+            if len(ids) <= args.max_prompt_tokens:
+                prompts.append(ids)
+            if len(prompts) >= 2000:
+                break
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            row = measure(target, prompts, b, args.seconds, args.warmup, args.max_tokens)
+            row = {"quantization": quantization, **row}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info("cpu", args.dtype), "threads": args.threads, "max_tokens": args.max_tokens}
     info.update(max_prompt_tokens=args.max_prompt_tokens, turns=args.turns)
     info["commit"] = git_commit()
     (out / "generation_throughput.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
-    lines = ["| requests in flight | tokens/s | passes/s |", "|---:|---:|---:|"]
-    lines += [f"| {r['in_flight']} | {r['tokens_per_s']} | {r['steps_per_s']} |" for r in rows]
+    lines = ["| quantization | requests in flight | tokens/s | passes/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['quantization']} | {r['in_flight']} | {r['tokens_per_s']} | {r['steps_per_s']} |" for r in rows]
     (out / "generation_throughput.md").write_text(
         f"Vanilla batched decoding, {info.get('cpu', '')}, {args.threads} threads, {args.dtype}, greedy, "
         f"up to {args.max_tokens} new tokens per request, ShareGPT training-split prompts ({args.turns} user "
@@ -103,7 +106,10 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot([r["in_flight"] for r in rows], [r["tokens_per_s"] for r in rows], "o-")
+    for quantization in args.quantizations.split(","):
+        mine = [r for r in rows if r["quantization"] == quantization]
+        ax.plot([r["in_flight"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=quantization)
+    ax.legend(title="weights")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight")
     ax.set_ylabel("tokens/s")
