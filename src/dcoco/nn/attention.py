@@ -74,22 +74,13 @@ def exact_gqa_attention(
     if attention_mask is None or attention_mask.dim() != 4:
         return packed_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     B, H, q, d = query.shape
-    Hkv, L = key.shape[1], key.shape[2]
-    masks = attention_mask[:, 0].expand(B, q, L)  # (B, q, L)
-    # where a row sees one contiguous run of keys (always, unless the batch's cache has holes), its
-    # keys are a slice, not a boolean gather: one host sync for the whole call instead of one a row
-    seen = masks.int()
-    counts, first = seen.sum(-1), seen.argmax(-1)
-    last = (first + counts - 1).clamp(0, L - 1).unsqueeze(-1)
-    runs = seen.cumsum(-1).gather(-1, last).squeeze(-1) == counts
-    plan = torch.stack([first, counts, runs.int()], -1).tolist()
+    Hkv = key.shape[1]
     out = query.new_empty(B, q, H, d)
     for b in range(B):
+        mask = attention_mask[b if attention_mask.shape[0] > 1 else 0, 0]  # (q, L)
         for i in range(q):
-            start, n, run = plan[b][i]
-            keys = slice(start, start + n) if run else masks[b, i]
-            # copied either way: the same layout, so the same arithmetic as any other pass
-            k, v = key[b : b + 1, :, keys].contiguous(), value[b : b + 1, :, keys].contiguous()
+            seen = mask[i]
+            k, v = key[b : b + 1, :, seen].contiguous(), value[b : b + 1, :, seen].contiguous()
             rows = query[b : b + 1, :, i].reshape(1, Hkv, H // Hkv, d).contiguous()  # head h = g * n + r
             out[b, i] = F.scaled_dot_product_attention(rows, k, v, scale=scaling).reshape(H, d)
     return out, None
