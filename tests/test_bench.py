@@ -178,7 +178,7 @@ def test_plan_runs_peers_at_concurrency_one_and_greedy_once():
         (["--num-prompts", "0"], "--num-prompts"),
         (["--max-new-tokens", "ten"], "--max-new-tokens"),
         (["--dtype", "int8"], "--dtype"),
-        (["--quantization", "int4"], "--quantization: choose one of none, int8"),
+        (["--quantization", "int2"], "--quantization: choose one of none, int8, int4"),
         (["--preset", "paper"], "unknown preset"),
         (["--drafters", "dflash"], "METHOD=DIR"),
         (["--drafters", "ngram=/tmp"], "not a trained drafter method"),
