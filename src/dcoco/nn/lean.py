@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .prepack import PrepackedLinear, prepack_enabled
+from .prepack import PrepackedLinear, _weight_key, prepack_enabled
 from .quantize import Int4Linear, Int8Linear
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # decoder layers of Llama's structure (Qwen3: q/k norms)
@@ -40,14 +40,7 @@ def lean_supported(model: nn.Module) -> bool:
 
 def _key(mods: Sequence[nn.Module]) -> tuple:
     """Changes when a source weight is replaced or changed in place."""
-    out = []
-    for m in mods:
-        w = m.qweight if isinstance(m, (Int4Linear, Int8Linear)) else m.weight
-        try:
-            out.append((w.data_ptr(), w._version))
-        except RuntimeError:  # an inference-mode tensor: no version counter, cannot change in place
-            out.append((w.data_ptr(), None))
-    return tuple(out)
+    return tuple(_weight_key(m.qweight if isinstance(m, (Int4Linear, Int8Linear)) else m.weight) for m in mods)
 
 
 def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
