@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .prepack import PrepackedLinear, _weight_key, prepack_enabled
-from .quantize import Int4Linear, Int8Linear
+from .quantize import Int4Linear, Int8Linear, _concat_biases
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # decoder layers of Llama's structure (Qwen3: q/k norms)
 
@@ -51,10 +51,8 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
     if kinds == {Int8Linear}:
         return Int8Linear.concat(mods)
     weight = torch.cat([m.weight.detach() for m in mods])
-    biases = [m.bias for m in mods]
-    bias = None if all(b is None for b in biases) else torch.cat([
-        b.detach() if b is not None else weight.new_zeros(m.weight.shape[0]) for m, b in zip(mods, biases)
-    ])  # fmt: skip
+    bias = _concat_biases(mods)
+    bias = None if bias is None else bias.detach()
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
