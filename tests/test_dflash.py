@@ -239,6 +239,28 @@ def test_regenerate_resumes_without_loss_or_duplicates(tiny_data, tmp_path):
         )
 
 
+def test_regenerate_skips_prompts_answered_in_excluded_directories(tiny_data, tmp_path):
+    """A fresh directory extends a corpus (regenerated or packed) with new prompts only: what the
+    corpus answered is skipped, and packing the new directory into it appends only new samples."""
+    from dcoco.train.packed import PackedData, pack
+
+    target, root = tiny_data
+    samples = RegeneratedData(root).samples()
+    packed = tmp_path / "packed"
+    pack([RegeneratedData(root)], packed)
+    prompts = [Prompt(id=x["id"], messages=x["input_ids"][: x["prompt_len"]]) for x in samples[:6]]
+    prompts += [Prompt(id=f"new{i}", messages=[3 + i, 4, 5]) for i in range(3)]
+    taps = RegeneratedData(root).manifest["taps"]
+    more = tmp_path / "more"
+    kw = dict(taps=taps, sampling=SamplingParams(max_tokens=24), batch_size=16, shard_size=8, progress=False)
+    regenerate(target, prompts, more, num_samples=9, exclude=[packed], **kw)
+    assert sorted(s["id"] for s in RegeneratedData(more).samples()) == ["new0", "new1", "new2"]
+    pack([RegeneratedData(more)], packed)
+    assert len(PackedData(packed).samples()) == len(samples) + 3
+    with pytest.raises(ConfigError, match="not a regenerated or packed"):
+        regenerate(target, prompts, tmp_path / "x", num_samples=1, exclude=[tmp_path / "missing"], **kw)
+
+
 def test_prompts_are_answered_in_length_sorted_windows():
     """Regeneration sorts each window of prompts by length (less padding in flight) but answers the
     same prompts: a window never reaches past the prompts it was asked for."""

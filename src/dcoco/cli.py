@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="take every N-th prompt starting at the I-th (0-based): N processes (or GPUs) with shards "
         "0/N .. N-1/N into N --out directories answer disjoint prompts",
     )
+    rg.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="skip prompts already answered in these data directories (regenerated or packed): "
+        "extend a committed corpus from a fresh machine, then pack the new directory into it",
+    )
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     rg.add_argument("--temperature", type=float, default=0.0)
@@ -516,6 +524,7 @@ def cmd_data(args) -> int:
         source=args.source + (" (from the end)" if args.from_end else ""),
         features=not args.no_features,
         command=shlex.join([PROG, *sys.argv[1:]]),
+        exclude=args.exclude,
     )
     return 0
 

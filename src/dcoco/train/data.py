@@ -192,9 +192,12 @@ def regenerate(
     progress: bool = True,
     features: bool = True,
     command: str = "",
+    exclude: Sequence[str | Path] = (),
 ) -> RegeneratedData:
     """Answer up to `num_samples` prompts with the target, resuming what a previous run finished;
-    with `features=False` keep only the tokens (for online training)."""
+    with `features=False` keep only the tokens (for online training). Prompts already answered in
+    the directories `exclude` (regenerated or packed) are skipped: a fresh machine extends a
+    committed corpus without its scratch directory."""
     data = RegeneratedData(out)
     data.features_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
@@ -224,7 +227,7 @@ def regenerate(
 
     done = _read_lines(data.samples_path, repair=True)
     data.clean_orphans(done)
-    done_ids = {s["id"] for s in done}
+    done_ids = {s["id"] for s in done} | answered_ids(exclude)
     next_shard = max((s["shard"] for s in done if s.get("shard") is not None), default=-1) + 1
     todo = num_samples - len(done)
     if todo <= 0:
@@ -384,11 +387,19 @@ def select_prompts(
         prompts = sharegpt_train_prompts()
     if heldout_permille is not None:
         prompts = (p for p in prompts if is_eval_sample(p.id, heldout_permille))
-    used = {s["id"] for s in RegeneratedUnion(list(exclude)).samples()} if exclude else set()
+    used = answered_ids(exclude)
     out = [p for p in prompts if p.id not in used]
     if seed is not None:
         random.Random(seed).shuffle(out)
     return out[:limit] if limit else out
+
+
+def answered_ids(dirs: Sequence[str | Path]) -> set:
+    """The sample ids of regenerated or packed directories: prompts already answered there."""
+    for d in dirs:
+        if not (Path(d) / "manifest.json").is_file():
+            raise ConfigError(f"{d} is not a regenerated or packed data directory (no manifest.json)")
+    return {s["id"] for s in RegeneratedUnion(list(dirs)).samples()} if dirs else set()
 
 
 def write_prompts(prompts: Iterable[Prompt], path: str | Path) -> int:
