@@ -39,24 +39,30 @@ def packed_gqa_attention(
     """transformers' attention-function signature: query (B, H, q, d), key/value (B, H_kv, L, d),
     a boolean or additive mask (B or 1, 1 or H, q, L); returns (B, q, H, d)."""
     B, H, q, d = query.shape
-    Hkv, L = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     n = H // Hkv
     if attention_mask is None or attention_mask.dim() != 4:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    mask = attention_mask
+    mask = pack_gqa_mask(attention_mask, n, Hkv)
     if n > 1:
         query = query.reshape(B, Hkv, n * q, d)  # head h = g * n + r reads K/V head g
-        Bm = mask.shape[0]
-        if mask.shape[1] == 1:
-            mask = mask.unsqueeze(2).expand(Bm, 1, n, q, L).reshape(Bm, 1, n * q, L)
-        else:
-            mask = mask.reshape(Bm, Hkv, n * q, L)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
     )
     return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
+
+
+def pack_gqa_mask(mask: torch.Tensor, n: int, kv_heads: int) -> torch.Tensor:
+    """A mask (B or 1, 1 or H, q, L) for the stacked query block of `packed_gqa_attention`, where
+    `n` query heads share each of `kv_heads` K/V heads: (B or 1, 1 or H_kv, n*q, L)."""
+    if n == 1:
+        return mask
+    Bm, _, q, L = mask.shape
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2).expand(Bm, 1, n, q, L).reshape(Bm, 1, n * q, L)
+    return mask.reshape(Bm, kv_heads, n * q, L)
 
 
 def exact_gqa_attention(

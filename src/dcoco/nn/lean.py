@@ -1,25 +1,33 @@
-"""The target's decoder stack as few tensor ops as possible, for Llama-family models.
+"""The target's decoder stack as few tensor ops and as little Python as possible, for Llama-family
+models.
 
 A decode step of a small model on a CPU costs more in dispatch than in weight streaming: each of
-the ~100 tensor ops per decoder layer of Hugging Face's forward costs a few microseconds, against
-~8 ms for all of SmolLM2-135M's int4 weights. `LeanDecoder` computes what that forward computes
-(the same weights, norms, rotary embedding, attention function and cache) with q/k/v and gate/up
-each one product over a fused weight, and the rotary embedding, residuals and taps written out:
-7-13% more tokens/s on a 2-core CPU (`scripts/lean_ab.py`, docs/experiments).
+the ~100 tensor ops per decoder layer of Hugging Face's forward costs a few microseconds, and each
+module call and attribute lookup around them a microsecond more, against ~8 ms for all of
+SmolLM2-135M's int4 weights. `LeanDecoder` computes what that forward computes (the same weights,
+norms, rotary embedding, attention function and cache, bit for bit) with:
+- q/k/v and gate/up each one product over a fused weight;
+- the layers' modules and weights looked up once into a plan, their forwards called directly;
+- RMSNorm as one `rms_norm` op, the rotary embedding of q and k as one, the packed attention mask
+  built once per forward instead of once per layer (`scripts/lean_ab.py`, docs/experiments).
 
-Fused weights are built on first use and rebuilt when a source weight changes (an optimizer step
-on a policy). Other architectures, and sliding-window attention, take Hugging Face's forward.
+The plan (with its fused weights) is built on first use and rebuilt when a fused source weight
+changes (an optimizer step or a `load_state_dict` on a policy). Modules replaced after the `Target`
+is built are not seen: quantize first, as `Target.from_pretrained` does. Other architectures, and
+sliding-window attention, take Hugging Face's forward.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention import NAME as PACKED_ATTENTION
+from .attention import pack_gqa_mask
 from .prepack import PrepackedLinear, _weight_key, prepack_enabled
 from .quantize import Int4Linear, Int8Linear, _concat_biases
 
@@ -36,11 +44,6 @@ def lean_supported(model: nn.Module) -> bool:
         and hasattr(model, "model")
         and hasattr(model.model, "rotary_emb")
     )
-
-
-def _key(mods: Sequence[nn.Module]) -> tuple:
-    """Changes when a source weight is replaced or changed in place."""
-    return tuple(_weight_key(m.qweight if isinstance(m, (Int4Linear, Int8Linear)) else m.weight) for m in mods)
 
 
 def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
@@ -61,23 +64,67 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
     return fused
 
 
+class _Layer(NamedTuple):
+    """One decoder layer as the lean forward reads it."""
+
+    input_norm: torch.Tensor  # RMSNorm weights
+    post_norm: torch.Tensor
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # forwards, called without nn.Module's hook machinery
+    o_proj: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down_proj: Callable[[torch.Tensor], torch.Tensor]
+    attn: nn.Module  # for q/k norms (Qwen3) and transformers' attention functions
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
 class LeanDecoder:
     """`model`'s forward over a KV cache, as `Target.forward` calls it (see module docstring)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.layers = list(model.model.layers)
-        self._fused: list[Optional[tuple]] = [None] * len(self.layers)
+        self.eps = model.config.rms_norm_eps
+        self._sources = [
+            (
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+            )
+            for layer in self.layers
+        ]
+        # the fused copies' sources that can change in place (inference-mode tensors cannot)
+        weights = (m.qweight if isinstance(m, (Int4Linear, Int8Linear)) else m.weight for s in self._sources for m in s)
+        self._tracked = [w for w in weights if not w.is_inference()]
+        self._plan: list[_Layer] = []
+        self._plan_key: Optional[tuple] = None
 
-    def _fused_layer(self, i: int) -> tuple[nn.Module, nn.Module]:
-        layer = self.layers[i]
-        a, mlp = layer.self_attn, layer.mlp
-        sources = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
-        key = _key(sources)
-        cached = self._fused[i]
-        if cached is None or cached[0] != key:
-            cached = self._fused[i] = (key, fuse_linears(sources[:3]), fuse_linears(sources[3:]))
-        return cached[1], cached[2]
+    def _layers(self) -> list[_Layer]:
+        key = tuple(_weight_key(w) for w in self._tracked)
+        if key != self._plan_key or not self._plan:
+            dtype = self.model.model.embed_tokens.weight.dtype
+            self._plan = [self._build(layer, mods, dtype) for layer, mods in zip(self.layers, self._sources)]
+            self._plan_key = key
+        return self._plan
+
+    @staticmethod
+    def _build(layer: nn.Module, sources: tuple, dtype: torch.dtype) -> _Layer:
+        a, d = layer.self_attn, layer.self_attn.head_dim
+        return _Layer(
+            input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            qkv=_forward(fuse_linears(sources[:3]), dtype),
+            o_proj=_forward(a.o_proj, dtype),
+            gate_up=_forward(fuse_linears(sources[3:]), dtype),
+            down_proj=_forward(layer.mlp.down_proj, dtype),
+            attn=a,
+            heads=a.q_proj.out_features // d,
+            kv_heads=a.k_proj.out_features // d,
+            head_dim=d,
+        )
 
     def forward(
         self,
@@ -93,38 +140,63 @@ class LeanDecoder:
         the hidden states at `taps` go into `captured` (the target's tap convention)."""
         from transformers.modeling_utils import slice_logits_to_keep
 
-        base = self.model.model
-        cfg = self.model.config
+        base, cfg, eps = self.model.model, self.model.config, self.eps
         h = base.embed_tokens(tokens)
         if 0 in taps:
             captured[0] = h
         B, q = tokens.shape
-        cos, sin = base.rotary_emb(h, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, q, d): every head alike
-        attend = ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            qkv, gate_up = self._fused_layer(i)
-            d = a.head_dim
-            Hq, Hkv = a.q_proj.out_features // d, a.k_proj.out_features // d
-            x = qkv(layer.input_layernorm(h)).view(B, q, Hq + 2 * Hkv, d)
-            qs, ks, vs = x[:, :, :Hq], x[:, :, Hq : Hq + Hkv], x[:, :, Hq + Hkv :]
-            if hasattr(a, "q_norm"):
-                qs, ks = a.q_norm(qs), a.k_norm(ks)
-            qs, ks, vs = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-            qs, ks = _rotate(qs, cos, sin), _rotate(ks, cos, sin)
+        cos, sin = base.rotary_emb(h, position_ids)  # (B, q, d)
+        half = cos.shape[-1] // 2
+        # rotate_half(x) * sin == flip_halves(x) * (sin with its first half negated), bit for bit
+        cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        packed = cfg._attn_implementation == PACKED_ATTENTION and mask is not None and mask.dim() == 4
+        attend = None if packed else ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
+        packed_mask = None
+        for i, L in enumerate(self._layers()):
+            Hq, Hkv, d = L.heads, L.kv_heads, L.head_dim
+            x = L.qkv(_rms_norm(h, L.input_norm, eps)).view(B, q, Hq + 2 * Hkv, d)
+            if hasattr(L.attn, "q_norm"):
+                qk = torch.cat((L.attn.q_norm(x[:, :, :Hq]), L.attn.k_norm(x[:, :, Hq : Hq + Hkv])), dim=2)
+            else:
+                qk = x[:, :, : Hq + Hkv]
+            qk = _rotate(qk, cos, sin)
+            qs, ks, vs = (
+                qk[:, :, :Hq].transpose(1, 2),
+                qk[:, :, Hq:].transpose(1, 2),
+                x[:, :, Hq + Hkv :].transpose(1, 2),
+            )
             ks, vs = cache.layers[i].update(ks, vs)
-            o, _ = attend(a, qs, ks, vs, mask, dropout=0.0, scaling=a.scaling)
-            h = h + a.o_proj(o.reshape(B, q, -1))
-            g, u = gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)
-            h = h + layer.mlp.down_proj(F.silu(g) * u)
+            if packed:
+                if packed_mask is None:
+                    packed_mask = pack_gqa_mask(mask, Hq // Hkv, Hkv)
+                o = F.scaled_dot_product_attention(
+                    qs.reshape(B, Hkv, q * Hq // Hkv, d), ks, vs, attn_mask=packed_mask, scale=L.attn.scaling
+                )
+                o = o.view(B, Hq, q, d).transpose(1, 2)
+            else:
+                o, _ = attend(L.attn, qs, ks, vs, mask, dropout=0.0, scaling=L.attn.scaling)
+            h = h + L.o_proj(o.reshape(B, q, -1))
+            g, u = L.gate_up(_rms_norm(h, L.post_norm, eps)).chunk(2, dim=-1)
+            h = h + L.down_proj(F.silu(g) * u)
             if i + 1 in taps:
                 captured[i + 1] = h
         h = base.norm(slice_logits_to_keep(h, logits_to_keep))
         return self.model.lm_head(h)
 
 
+def _forward(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A linear layer's forward for inputs of `dtype`, without nn.Module's call machinery."""
+    return linear.bound_forward(dtype) if isinstance(linear, (Int4Linear, Int8Linear)) else linear.forward
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Llama RMSNorm (in float32, then weight times the result in the input's dtype)
+    as one `rms_norm` op, which computes in float32 too: the same bits (tests/test_lean.py)."""
+    return weight * F.rms_norm(h, h.shape[-1:], eps=eps)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotary embedding (rotate_half), op for op."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    """Hugging Face's rotary embedding, x * cos + rotate_half(x) * sin, on x (B, q, heads, d) with the
+    halves of x swapped by one flip and `sin`'s first half negated (see `LeanDecoder.forward`)."""
+    d = x.shape[-1]
+    return x * cos + x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2) * sin

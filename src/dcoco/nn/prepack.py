@@ -19,10 +19,8 @@ import torch.nn.functional as F
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
-    try:
-        return (w.data_ptr(), w._version)
-    except RuntimeError:  # an inference-mode tensor has no version counter and cannot change in place
-        return (w.data_ptr(), None)
+    # an inference-mode tensor has no version counter and cannot change in place
+    return (w.data_ptr(), None if w.is_inference() else w._version)
 
 
 class PrepackedLinear(nn.Linear):

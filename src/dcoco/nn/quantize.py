@@ -20,7 +20,8 @@ rows, the training losses' target head) get the dequantized weight, built on fir
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -68,13 +69,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # the int8 kernel is torch's CPU one: elsewhere, the dequantized weight
-            return F.linear(x, self.weight.to(x.dtype), self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, self.in_features).contiguous(), self.qweight, self.scale.to(x.dtype)
-        )
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            return _dequantized_forward(self, x)
+        return self.bound_forward(x.dtype)(x)
+
+    def bound_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` for CPU inputs of `dtype`, its per-call checks and conversions done once: for
+        callers that make a hundred such calls per token (`dcoco.nn.lean`)."""
+        if self.qweight.device.type != "cpu":
+            return functools.partial(_dequantized_forward, self)
+        mm = torch.ops.aten._weight_int8pack_mm.default
+        return _bound(mm, self.in_features, self.out_features, self.bias, self.qweight, self.scale.to(dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
@@ -113,7 +117,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         mids = torch.stack([step, low + 8 * step], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("steps_and_mids", mids, persistent=False)
-        self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self._dequantized: Optional[torch.Tensor] = None
 
     def _values(self) -> torch.Tensor:
@@ -144,19 +147,37 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        sz = self._by_dtype.get(x.dtype)
-        if sz is None:
-            sz = self._by_dtype[x.dtype] = self.steps_and_mids.to(x.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).contiguous(), self.packed, self.group, sz
-        )
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            return _dequantized_forward(self, x)
+        return self.bound_forward(x.dtype)(x)
+
+    def bound_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`forward` for CPU inputs of `dtype`, its per-call checks and conversions done once (see
+        `Int8Linear.bound_forward`)."""
+        if self.packed is None or self.packed.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return functools.partial(_dequantized_forward, self)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+        sz = self.steps_and_mids.to(dtype)
+        return _bound(mm, self.in_features, self.out_features, self.bias, self.packed, self.group, sz)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of {self.group}"
+
+
+def _dequantized_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A quantized layer's product where its kernel does not apply: by the dequantized weight."""
+    return F.linear(x, layer.weight.to(x.dtype), None if layer.bias is None else layer.bias.to(x.dtype))
+
+
+def _bound(kernel, k: int, n: int, bias: Optional[torch.Tensor], *operands) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (..., k) -> kernel(x as (rows, k), *operands) (+ bias) as (..., n): a quantized layer's forward."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = kernel(x.reshape(-1, k).contiguous(), *operands)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.view(*x.shape[:-1], n)
+
+    return forward
 
 
 def _concat_biases(layers) -> Optional[torch.Tensor]:
