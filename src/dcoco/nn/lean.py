@@ -12,8 +12,8 @@ norms, rotary embedding, attention function and cache, bit for bit) with:
   built once per forward instead of once per layer (`scripts/lean_ab.py`, docs/experiments).
 
 The plan (with its fused weights) is built on first use and rebuilt when a fused source weight
-changes (an optimizer step or a `load_state_dict` on a policy). Modules replaced after the `Target`
-is built are not seen: quantize first, as `Target.from_pretrained` does. Other architectures, and
+changes in place (an optimizer step or a `load_state_dict` on a policy). Modules or weights replaced
+after the `Target` is built are not seen: quantize first, as `Target.from_pretrained` does. Other architectures, and
 sliding-window attention, take Hugging Face's forward.
 """
 
@@ -28,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import NAME as PACKED_ATTENTION
 from .attention import pack_gqa_mask
-from .prepack import PrepackedLinear, _weight_key, prepack_enabled
+from .prepack import PrepackedLinear, prepack_enabled
 from .quantize import Int4Linear, Int8Linear, _concat_biases
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # decoder layers of Llama's structure (Qwen3: q/k norms)
@@ -96,14 +96,15 @@ class LeanDecoder:
             )
             for layer in self.layers
         ]
-        # the fused copies' sources that can change in place (inference-mode tensors cannot)
-        weights = (m.qweight if isinstance(m, (Int4Linear, Int8Linear)) else m.weight for s in self._sources for m in s)
+        # the fused copies' sources that can change in place: not quantized layers (frozen), nor
+        # inference-mode tensors
+        weights = (m.weight for s in self._sources for m in s if not isinstance(m, (Int4Linear, Int8Linear)))
         self._tracked = [w for w in weights if not w.is_inference()]
         self._plan: list[_Layer] = []
-        self._plan_key: Optional[tuple] = None
+        self._plan_key: Optional[int] = None
 
     def _layers(self) -> list[_Layer]:
-        key = tuple(_weight_key(w) for w in self._tracked)
+        key = sum(w._version for w in self._tracked)  # versions only grow: any in-place change shows
         if key != self._plan_key or not self._plan:
             dtype = self.model.model.embed_tokens.weight.dtype
             self._plan = [self._build(layer, mods, dtype) for layer, mods in zip(self.layers, self._sources)]
@@ -167,8 +168,8 @@ class LeanDecoder:
             )
             ks, vs = cache.layers[i].update(ks, vs)
             if packed:
-                if packed_mask is None:
-                    packed_mask = pack_gqa_mask(mask, Hq // Hkv, Hkv)
+                if packed_mask is None:  # once per forward, additive as SDPA would make it in every layer
+                    packed_mask = pack_gqa_mask(_additive(mask, h.dtype), Hq // Hkv, Hkv)
                 o = F.scaled_dot_product_attention(
                     qs.reshape(B, Hkv, q * Hq // Hkv, d), ks, vs, attn_mask=packed_mask, scale=L.attn.scaling
                 )
@@ -187,6 +188,13 @@ class LeanDecoder:
 def _forward(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """A linear layer's forward for inputs of `dtype`, without nn.Module's call machinery."""
     return linear.bound_forward(dtype) if isinstance(linear, (Int4Linear, Int8Linear)) else linear.forward
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = visible) as SDPA converts it: 0 where visible, -inf elsewhere."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
