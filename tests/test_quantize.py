@@ -11,7 +11,7 @@ from conftest import ModelDrafter, OracleDrafter, engine_lossless_pvalue, random
 
 from dcoco import ConfigError, SamplingParams
 from dcoco.engine import SpeculativeEngine
-from dcoco.nn.quantize import Int4Linear, Int8Linear, quantize_linears
+from dcoco.nn.quantize import Int4Linear, Int8Linear, dequantized_products, quantize_linears
 from dcoco.target import Target
 
 
@@ -42,6 +42,22 @@ def test_int4_linear_is_its_dequantized_weight(out_features):
     assert torch.allclose(q(x), x @ q.weight.T + lin.bias, atol=1e-5)
     xb = x.bfloat16()  # the decoding dtype
     assert torch.allclose(q(xb).float(), (xb.float() @ q.weight.T + lin.bias), atol=0.1)
+
+
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_dequantized_products_from_a_number_of_rows(kind):
+    """Within `dequantized_products(n)`, passes of n rows or more multiply by the dequantized weight
+    (a bf16 prefill), shorter ones and every pass outside it by the quantized kernel."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 64).bfloat16()
+    q = kind(lin.weight, lin.bias)
+    short, long = torch.randn(1, 7, 96).bfloat16(), torch.randn(2, 20, 96).bfloat16()
+    by_weight = torch.nn.functional.linear(long, q.weight, q.bias)
+    kernel_short, kernel_long = q(short), q(long)
+    assert not torch.equal(kernel_long, by_weight)  # the kernel rounds otherwise: the switch is visible
+    with dequantized_products(min_rows=8):
+        assert torch.equal(q(long), by_weight) and torch.equal(q(short), kernel_short)
+    assert torch.equal(q(long), kernel_long)
 
 
 def test_quantize_replaces_every_linear_and_keeps_the_embedding():

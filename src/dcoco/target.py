@@ -9,7 +9,7 @@ that use a published convention convert to this one when they load.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -23,6 +23,7 @@ from .nn.attention import NAME as PACKED_GQA
 from .nn.attention import register as register_packed_gqa
 from .nn.lean import LeanDecoder, lean_supported
 from .nn.prepack import prepack_linears
+from .nn.quantize import dequantized_products
 
 BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA, EXACT_GQA)  # read our boolean 4-D masks as they are
 CAUSAL_SKIP = ("sdpa", PACKED_GQA, EXACT_GQA)  # without a mask, causal from position 0
@@ -232,17 +233,21 @@ class Target:
             )
         self._captured = {}
         keep = logits_at.to(self.device) if logits_at is not None else 0
-        if self._lean is not None:
-            logits = self._lean.forward(tokens, position_ids, mask, kv.cache, keep, self._taps, self._captured)
-        else:
-            logits = self.model(
-                input_ids=tokens,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=kv.cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            ).logits
+        # a bf16 prefill of a quantized target multiplies by dequantized weights (`dequantized_products`),
+        # except in exact mode: which prefills pass the row threshold depends on the batch's makeup
+        dequantize = fresh and self.dtype == torch.bfloat16 and not self.exact
+        with dequantized_products() if dequantize else nullcontext():
+            if self._lean is not None:
+                logits = self._lean.forward(tokens, position_ids, mask, kv.cache, keep, self._taps, self._captured)
+            else:
+                logits = self.model(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    past_key_values=kv.cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                ).logits
         feats = self.captured() if self._taps else None
         return ForwardOutput(logits=logits.float(), features=feats)
 
