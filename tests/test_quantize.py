@@ -60,6 +60,21 @@ def test_dequantized_products_from_a_number_of_rows(kind):
     assert torch.equal(q(long), kernel_long)
 
 
+def test_quantized_targets_draft_at_most_three_tokens_by_default():
+    """Torch's int kernels take rows in blocks of 4: a drafter's default block is capped to 3 draft
+    tokens on a quantized CPU target; an explicit block length is kept."""
+    from dcoco.drafters.ngram import NgramDrafter
+
+    model = tiny_model("llama", seed=3)
+    plain = Target(model)
+    quantize_linears(model, "int8")
+    quantized = Target(model)
+    assert plain.cheap_pass_tokens is None and quantized.cheap_pass_tokens == 4
+    assert SpeculativeEngine(plain, NgramDrafter()).num_speculative_tokens == NgramDrafter.default_num_tokens == 5
+    assert SpeculativeEngine(quantized, NgramDrafter()).num_speculative_tokens == 3
+    assert SpeculativeEngine(quantized, NgramDrafter(), 5).num_speculative_tokens == 5
+
+
 def test_quantize_replaces_every_linear_and_keeps_the_embedding():
     for quantization, decoder_kind in (("int8", Int8Linear), ("int4", Int4Linear)):
         model = tiny_model("llama", seed=3, tie_word_embeddings=True)

@@ -63,7 +63,8 @@ class SpeculativeEngine:
     """Runs requests through a `Target` with an optional `Drafter`.
 
     `num_speculative_tokens` is the draft block length (tokens proposed per pass); None takes the
-    drafter's default. `max_batch_size` bounds how many requests run at once; others wait.
+    drafter's default, at most `target.cheap_pass_tokens - 1` (a quantized target's verification
+    kernels step up past 4 tokens per pass). `max_batch_size` bounds how many requests run at once; others wait.
 
     `draft_policy(batch_size, default_k) -> k`, when given, picks the draft block length of each
     pass from the current batch size (load-aware drafting, e.g. `dcoco.serve.LoadAwarePolicy`);
@@ -88,7 +89,11 @@ class SpeculativeEngine:
         self.drafter = drafter
         if drafter is not None:
             drafter.check_target(target)
-            k = drafter.default_num_tokens if num_speculative_tokens is None else num_speculative_tokens
+            k = num_speculative_tokens
+            if k is None:
+                k = drafter.default_num_tokens
+                if target.cheap_pass_tokens is not None:
+                    k = min(k, target.cheap_pass_tokens - 1)
         else:
             k = 0
         if k < 0:

@@ -117,6 +117,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         L.append("")
         L += ["```", *cmds, "```", ""]
     k = settings.get("num_speculative_tokens")
+    quantized_cpu = settings.get("quantization", "none") != "none" and settings.get("device", "cpu") == "cpu"
+    default_cap = ", at most 3" if quantized_cpu else ""  # SpeculativeEngine: Target.cheap_pass_tokens
     L += [
         f"- Machine: {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs; torch threads "
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows})) or machine.get('torch_threads', '?')}; "
@@ -128,7 +130,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ),
         f"- Target: {settings.get('model', '?')}; dtype {settings.get('dtype', '?')}; "
         f"max new tokens {settings.get('max_new_tokens', '?')}; draft tokens per pass "
-        f"{'each drafter default' if k is None else k}; "
+        f"{k if k is not None else 'each drafter default' + default_cap}; "
         f"top-k {settings.get('top_k', 0)}, top-p {settings.get('top_p', 1.0)}",
         f"- git commit: {', '.join(sorted({r['git_commit'] for r in rows})) or meta.get('git_commit', '?')}; "
         f"torch {machine.get('torch', '?')}, transformers {machine.get('transformers', '?')}, "
