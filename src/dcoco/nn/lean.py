@@ -73,7 +73,9 @@ class _Layer(NamedTuple):
     o_proj: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down_proj: Callable[[torch.Tensor], torch.Tensor]
-    attn: nn.Module  # for q/k norms (Qwen3) and transformers' attention functions
+    attn: nn.Module  # for transformers' attention functions
+    q_norm: Optional[nn.Module]  # Qwen3's per-head q/k norms, else None
+    k_norm: Optional[nn.Module]
     heads: int
     kv_heads: int
     head_dim: int
@@ -122,6 +124,8 @@ class LeanDecoder:
             gate_up=_forward(fuse_linears(sources[3:]), dtype),
             down_proj=_forward(layer.mlp.down_proj, dtype),
             attn=a,
+            q_norm=getattr(a, "q_norm", None),
+            k_norm=getattr(a, "k_norm", None),
             heads=a.q_proj.out_features // d,
             kv_heads=a.k_proj.out_features // d,
             head_dim=d,
@@ -156,8 +160,8 @@ class LeanDecoder:
         for i, L in enumerate(self._layers()):
             Hq, Hkv, d = L.heads, L.kv_heads, L.head_dim
             x = L.qkv(_rms_norm(h, L.input_norm, eps)).view(B, q, Hq + 2 * Hkv, d)
-            if hasattr(L.attn, "q_norm"):
-                qk = torch.cat((L.attn.q_norm(x[:, :, :Hq]), L.attn.k_norm(x[:, :, Hq : Hq + Hkv])), dim=2)
+            if L.q_norm is not None:
+                qk = torch.cat((L.q_norm(x[:, :, :Hq]), L.k_norm(x[:, :, Hq : Hq + Hkv])), dim=2)
             else:
                 qk = x[:, :, : Hq + Hkv]
             qk = _rotate(qk, cos, sin)
