@@ -64,7 +64,8 @@ class SpeculativeEngine:
 
     `num_speculative_tokens` is the draft block length (tokens proposed per pass); None takes the
     drafter's default, at most `target.cheap_pass_tokens - 1` (a quantized target's verification
-    kernels step up past 4 tokens per pass). `max_batch_size` bounds how many requests run at once; others wait.
+    kernels step up past 4 tokens per pass). `max_batch_size` bounds how many requests run at once;
+    others wait.
 
     `draft_policy(batch_size, default_k) -> k`, when given, picks the draft block length of each
     pass from the current batch size (load-aware drafting, e.g. `dcoco.serve.LoadAwarePolicy`);

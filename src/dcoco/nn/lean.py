@@ -13,8 +13,8 @@ norms, rotary embedding, attention function and cache, bit for bit) with:
 
 The plan (with its fused weights) is built on first use and rebuilt when a fused source weight
 changes in place (an optimizer step or a `load_state_dict` on a policy). Modules or weights replaced
-after the `Target` is built are not seen: quantize first, as `Target.from_pretrained` does. Other architectures, and
-sliding-window attention, take Hugging Face's forward.
+after the `Target` is built are not seen: quantize first, as `Target.from_pretrained` does. Other
+architectures, and sliding-window attention, take Hugging Face's forward.
 """
 
 from __future__ import annotations
