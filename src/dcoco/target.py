@@ -237,9 +237,10 @@ class Target:
             )
         self._captured = {}
         keep = logits_at.to(self.device) if logits_at is not None else 0
-        # a bf16 prefill of a quantized target multiplies by dequantized weights (`dequantized_products`),
-        # except in exact mode: which prefills pass the row threshold depends on the batch's makeup
-        dequantize = fresh and self.dtype == torch.bfloat16 and not self.exact
+        # bf16 passes of many rows (prefills, large batches) multiply a quantized target's layers by
+        # their dequantized weights (`dequantized_products`); not in exact mode, where a token's
+        # logits must not depend on how many rows share its pass
+        dequantize = self.dtype == torch.bfloat16 and not self.exact
         with dequantized_products() if dequantize else nullcontext():
             if self._lean is not None:
                 logits = self._lean.forward(tokens, position_ids, mask, kv.cache, keep, self._taps, self._captured)

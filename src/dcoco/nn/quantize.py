@@ -172,8 +172,9 @@ def dequantized_products(min_rows: int = 32) -> Iterator[None]:
     """Within it, quantized products of at least `min_rows` rows multiply by the dequantized weight
     (kept once built, in the layer's dtype): torch's int8 and int4 CPU kernels unpack the weight for
     every few rows, so a bf16 prefill of 150 tokens runs 1.7x faster by the dequantized weight. The
-    target uses it for bf16 prefills into an empty cache only, and not with `--exact`: its decoding and
-    verification passes keep the kernels, for which a token's logits do not depend on the pass's rows."""
+    target uses it for every bf16 pass (decoding one request and verifying its blocks keep the kernels,
+    a prefill or a large batch does not), but not with `--exact`: there a token's logits must not
+    depend on how many rows share its pass, as they do not with the kernels alone."""
     global _dequantized_from_rows
     before, _dequantized_from_rows = _dequantized_from_rows, min_rows
     try:
