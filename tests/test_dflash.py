@@ -259,6 +259,7 @@ def test_regenerate_skips_prompts_answered_in_excluded_directories(tiny_data, tm
     assert len(PackedData(packed).samples()) == len(samples) + 3
     with pytest.raises(ConfigError, match="not a regenerated or packed"):
         regenerate(target, prompts, tmp_path / "x", num_samples=1, exclude=[tmp_path / "missing"], **kw)
+    assert not (tmp_path / "x").exists()  # nothing written
 
 
 def test_prompts_are_answered_in_length_sorted_windows():

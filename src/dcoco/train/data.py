@@ -198,6 +198,7 @@ def regenerate(
     with `features=False` keep only the tokens (for online training). Prompts already answered in
     the directories `exclude` (regenerated or packed) are skipped: a fresh machine extends a
     committed corpus without its scratch directory."""
+    answered = answered_ids(exclude)  # first: a wrong directory fails before anything is written
     data = RegeneratedData(out)
     data.features_dir.mkdir(parents=True, exist_ok=True)
     manifest = {
@@ -227,7 +228,7 @@ def regenerate(
 
     done = _read_lines(data.samples_path, repair=True)
     data.clean_orphans(done)
-    done_ids = {s["id"] for s in done} | answered_ids(exclude)
+    done_ids = {s["id"] for s in done} | answered
     next_shard = max((s["shard"] for s in done if s.get("shard") is not None), default=-1) + 1
     todo = num_samples - len(done)
     if todo <= 0:
