@@ -71,7 +71,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # the int8 kernel is torch's CPU one: elsewhere, the dequantized weight
             return _dequantized_forward(self, x)
-        return self.bound_forward(x.dtype)(x)
+        return _cached_bound(self, x.dtype)(x)
 
     def bound_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for CPU inputs of `dtype`, its per-call checks and conversions done once: for
@@ -149,7 +149,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return _dequantized_forward(self, x)
-        return self.bound_forward(x.dtype)(x)
+        return _cached_bound(self, x.dtype)(x)
 
     def bound_forward(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """`forward` for CPU inputs of `dtype`, its per-call checks and conversions done once (see
@@ -181,6 +181,14 @@ def dequantized_products(min_rows: int = 32) -> Iterator[None]:
         yield
     finally:
         _dequantized_from_rows = before
+
+
+def _cached_bound(layer: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`layer.bound_forward(dtype)`, made once per dtype: `forward` is called once per product."""
+    cache = layer.__dict__.setdefault("_bound_by_dtype", {})
+    if dtype not in cache:
+        cache[dtype] = layer.bound_forward(dtype)
+    return cache[dtype]
 
 
 def _dequantized_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
