@@ -131,3 +131,21 @@ def test_exact_attention_makes_bf16_speculative_greedy_equal_vanilla(quantizatio
         drafter = OracleDrafter(refs, target.vocab_size, 0.4, seed=k)
         outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=3).generate(prompts, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and 0 < stats.accepted < stats.drafted
+
+
+def test_exact_lone_token_step_equals_its_row_in_a_verification_pass():
+    """A single request's 1-token steps against the same tokens as one 8-token pass, logits bitwise:
+    a one-row bf16 product takes another kernel (and summation order) than a matrix one on CPUs
+    without AMX, at SmolLM2-135M's widths (without `Target.forward`'s padding slot, some of these
+    rows differ on a 2-core AMD EPYC with AVX-512 BF16)."""
+    model = tiny_model("llama", seed=1, hidden_size=576, intermediate_size=1536, initializer_range=0.02).bfloat16()
+    target = Target(model, exact=True)
+    prompt, new = random_prompts(1, target.vocab_size, lengths=(21,), seed=2)[0], torch.randint(0, 96, (1, 8))
+    kv, _ = target.prefill([prompt])
+    steps = []
+    for j in range(8):
+        steps.append(target.forward(kv, new[:, j : j + 1], torch.tensor([1])).logits[0, 0])
+        kv.commit(torch.tensor([1]))
+    kv, _ = target.prefill([prompt])
+    block = target.forward(kv, new, torch.tensor([8])).logits[0]
+    assert [j for j in range(8) if not torch.equal(steps[j], block[j])] == []

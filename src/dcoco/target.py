@@ -55,8 +55,9 @@ class Target:
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, exact: bool = False):
         """`exact`: each token's attention over exactly the keys it sees, on its own
-        (`dcoco.nn.attention`), so that its logits do not depend on the tokens sharing its pass:
-        speculative greedy output then equals vanilla's in bf16 too."""
+        (`dcoco.nn.attention`), and a lone token's pass run as two rows (see `forward`), so that its
+        logits do not depend on the tokens sharing its pass: speculative greedy output then equals
+        vanilla's in bf16 too."""
         self.model = model.eval()
         self.exact = exact
         self.tokenizer = tokenizer
@@ -225,6 +226,12 @@ class Target:
         just the last real token of each row, and the LM head is a large share of a small model's cost.
         """
         tokens = tokens.to(self.device)
+        # exact mode: a one-row product is a matrix-vector kernel in oneDNN (and cuBLAS), which sums
+        # in another order than the matrix kernel of every larger pass; a padding slot (dropped at
+        # commit) keeps a lone decoding token on the matrix kernel, bitwise as in a verification pass
+        lone = self.exact and tokens.numel() == 1
+        if lone:
+            tokens, logits_at = tokens.expand(1, 2), None
         fresh = kv.num_slots == 0
         position_ids, mask = kv.begin(num_tokens, tokens.shape[1], self.sliding_window)
         if fresh and self.sliding_window is None and self.config._attn_implementation in CAUSAL_SKIP:
@@ -254,6 +261,8 @@ class Target:
                     logits_to_keep=keep,
                 ).logits
         feats = self.captured() if self._taps else None
+        if lone:
+            logits, feats = logits[:, :1], None if feats is None else feats[:, :1]
         return ForwardOutput(logits=logits.float(), features=feats)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[KVBatch, ForwardOutput]:

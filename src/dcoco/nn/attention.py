@@ -12,8 +12,9 @@ it on CPU. Forwards without an explicit mask (causal training forwards) take tra
 `dcoco_gqa_exact` (`Target(exact=True)`, `--exact`) attends every query row on its own: the keys it
 sees, gathered in order, one SDPA call without a mask. A token's attention then does not depend on
 how many tokens share its pass nor on the cache's holes and padding, so a k+1-token verification
-pass gives each token bitwise the logits of a 1-token decoding step (the linear layers, norms and
-rotary embedding are row-invariant already): greedy speculative output equals vanilla's in bf16.
+pass gives each token bitwise the logits of a 1-token decoding step (norms and rotary embedding are
+row-invariant already, the linear layers from two rows up, so `Target.forward` runs a lone token with
+a padding slot): greedy speculative output equals vanilla's in bf16.
 """
 
 from __future__ import annotations
