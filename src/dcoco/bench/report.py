@@ -217,8 +217,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 "## Greedy match with dcoco vanilla (T = 0)",
                 "",
                 "Share of prompts whose output token ids equal dcoco vanilla's at the same concurrency. "
-                "In bfloat16 the numerics depend on the batch shape and block length, so only `--dtype float32` "
-                "is an exactness check.",
+                + (
+                    "With `--exact` a token's logits do not depend on the tokens sharing its pass: every "
+                    "method's must be 1.00, in any dtype."
+                    if settings.get("exact")
+                    else "In bfloat16 the numerics depend on the batch shape and block length, so only "
+                    "`--dtype float32` (or `--exact`) is an exactness check."
+                ),
                 "",
             ]
             L += _table(["method", "concurrency"] + datasets + ["mean"], body)
