@@ -226,9 +226,9 @@ class Target:
         just the last real token of each row, and the LM head is a large share of a small model's cost.
         """
         tokens = tokens.to(self.device)
-        # exact mode: a one-row product is a matrix-vector kernel in oneDNN (and cuBLAS), which sums
-        # in another order than the matrix kernel of every larger pass; a padding slot (dropped at
-        # commit) keeps a lone decoding token on the matrix kernel, bitwise as in a verification pass
+        # exact mode: a one-row product can take a matrix-vector kernel (oneDNN's on AVX-512 BF16 CPUs
+        # does), which sums in another order than the matrix kernel of every larger pass; a padding
+        # slot (dropped at commit) keeps a lone token on the matrix kernel, bitwise as in verification
         lone = self.exact and tokens.numel() == 1
         if lone:
             tokens, logits_at = tokens.expand(1, 2), None
