@@ -86,6 +86,14 @@ def test_cli_generate_json(capsys):
     assert obj["stats"]["output_tokens"] == len(obj["token_ids"]) <= 12
 
 
+def test_demo_with_exact_is_identical_to_vanilla_in_bf16(capsys):
+    """`dcoco demo --exact`: DCOCO's greedy answer equals vanilla's token for token in bf16, on the
+    real target and shipped drafter (a lone decoding token included, see `Target.forward`)."""
+    code = main(["demo", "--exact", "--max-new-tokens", "48"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "output identical to vanilla" in out, out
+
+
 def test_prompt_too_long(capsys, smollm):
     code = main(["generate", "--prompt", "word " * 9000, "--max-new-tokens", "4"])
     _, err = capsys.readouterr()

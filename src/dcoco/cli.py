@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="speculative generation on a default prompt, compared with vanilla decoding")
     d.add_argument("--prompt", default=None)
     _add_model_args(d)
+    _add_quantization_arg(d)
     _add_spec_args(d, default_method=_default_method())
     d.add_argument("--max-new-tokens", type=int, default=160)
 
@@ -430,12 +431,15 @@ def cmd_demo(args) -> int:
 
     _setup(args)
     prompt = args.prompt or DEMO_PROMPT
+    numerics = "".join(
+        [f", {args.quantization}" if args.quantization != "none" else "", ", exact" if args.exact else ""]
+    )
     print(
-        f"dcoco demo: target {args.model or 'SmolLM2-135M-Instruct (embedded)'}, {args.dtype}, {args.device}, "
-        f"method {args.method}",
+        f"dcoco demo: target {args.model or 'SmolLM2-135M-Instruct (embedded)'}, {args.dtype}{numerics}, "
+        f"{args.device}, method {args.method}",
         file=sys.stderr,
     )
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, exact=args.exact)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     spec = _spec_config(args)
     llm.generate("Hello", SamplingParams(max_tokens=4))  # warm-up, untimed
@@ -444,7 +448,11 @@ def cmd_demo(args) -> int:
     out = llm.generate(prompt, sp, speculative_config=spec)[0]
     ss = llm.last_stats
     print(f"### prompt\n{prompt}\n### answer ({args.method})\n{out.text}\n")
-    same = "identical to vanilla" if out.token_ids == van.token_ids else "DIFFERS from vanilla (bfloat16 numerics)"
+    same = (
+        "identical to vanilla"
+        if out.token_ids == van.token_ids
+        else f"DIFFERS from vanilla ({args.dtype} numerics depend on the pass; --exact makes it identical)"
+    )
     print(
         f"vanilla {vs.tokens_per_second:.1f} tok/s | {args.method} {ss.tokens_per_second:.1f} tok/s | "
         f"speedup {ss.tokens_per_second / max(vs.tokens_per_second, 1e-9):.2f}x | "
