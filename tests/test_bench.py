@@ -458,3 +458,22 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
     share = {r["method"]: r.get("select_share") for r in rows if r["temperature"] == 0}
     line = next(x for x in report.splitlines() if x.startswith("| dcoco | 0 | 1 |"))
     assert line.endswith(f"| {100 * (share['dcoco'] - share['dflash']):+.2f}% |")  # the corrector's own cost
+
+
+def test_quantized_bench_caps_draft_tokens_and_says_so(capsys, tmp_path, tiny_chat_dir):
+    """On a quantized CPU target the drafters' default block is capped (torch's int kernels take rows
+    in blocks of 4); the report states the cap the engine used, and greedy output stays the quantized
+    target's own."""
+    from dcoco.nn.quantize import QUANTIZED_CPU_PASS_TOKENS
+
+    out = tmp_path / "bench"
+    args = bench_args(
+        tiny_chat_dir, out, "humaneval", methods="vanilla,ngram", temperatures="0", concurrency="1", quantization="int8"
+    )
+    assert main(args) == 0, capsys.readouterr().err
+    rows = json.loads((out / "results.json").read_text())
+    ngram = next(r for r in rows if r["method"] == "ngram")
+    assert len(ngram["per_position_acceptance"]) == QUANTIZED_CPU_PASS_TOKENS - 1
+    assert all(r["greedy_match_rate"] == 1.0 for r in rows)
+    md = (out / "results.md").read_text()
+    assert f"draft tokens per pass each drafter default, at most {QUANTIZED_CPU_PASS_TOKENS - 1};" in md

@@ -23,7 +23,7 @@ from .nn.attention import NAME as PACKED_GQA
 from .nn.attention import register as register_packed_gqa
 from .nn.lean import LeanDecoder, lean_supported
 from .nn.prepack import prepack_linears
-from .nn.quantize import Int4Linear, Int8Linear, dequantized_products
+from .nn.quantize import QUANTIZED_CPU_PASS_TOKENS, Int4Linear, Int8Linear, dequantized_products
 
 BOOL_MASK_ATTENTION = ("sdpa", "flash_attention_2", PACKED_GQA, EXACT_GQA)  # read our boolean 4-D masks as they are
 CAUSAL_SKIP = ("sdpa", PACKED_GQA, EXACT_GQA)  # without a mask, causal from position 0
@@ -70,10 +70,10 @@ class Target:
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # torch's int8 and int4 CPU kernels take rows in blocks of 4: a 5-token verification pass
-        # costs 1.9-2.1x a decode step there, a 4-token one 1.3x (docs/experiments/2026-12-04-lean-decoder-plan.md)
         quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
-        self.cheap_pass_tokens: Optional[int] = 4 if quantized and self.device.type == "cpu" else None
+        self.cheap_pass_tokens: Optional[int] = (
+            QUANTIZED_CPU_PASS_TOKENS if quantized and self.device.type == "cpu" else None
+        )
         self._taps: tuple[int, ...] = ()
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list = []

@@ -23,6 +23,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Optional
 
+from ..nn.quantize import QUANTIZED_CPU_PASS_TOKENS
 from .config import PEERS
 
 PLOTS = ("speedup_vs_concurrency.png", "per_position_acceptance.png", "acceptance_length.png")
@@ -118,7 +119,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         L += ["```", *cmds, "```", ""]
     k = settings.get("num_speculative_tokens")
     quantized_cpu = settings.get("quantization", "none") != "none" and settings.get("device", "cpu") == "cpu"
-    default_cap = ", at most 3" if quantized_cpu else ""  # SpeculativeEngine: Target.cheap_pass_tokens
+    default_cap = f", at most {QUANTIZED_CPU_PASS_TOKENS - 1}" if quantized_cpu else ""  # the engine's cap
     L += [
         f"- Machine: {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs; torch threads "
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in rows})) or machine.get('torch_threads', '?')}; "

@@ -30,10 +30,22 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
-__all__ = ["QUANTIZATIONS", "Int4Linear", "Int8Linear", "dequantized_products", "quantize_linears"]
+__all__ = [
+    "QUANTIZATIONS",
+    "QUANTIZED_CPU_PASS_TOKENS",
+    "Int4Linear",
+    "Int8Linear",
+    "dequantized_products",
+    "quantize_linears",
+]
 
 #: the weight-only quantizations a target can be loaded with
 QUANTIZATIONS = ("none", "int8", "int4")
+
+#: torch's int8 and int4 CPU kernels take rows in blocks of 4: a 5-token verification pass costs
+#: 1.9-2.1x a decode step there, a 4-token one 1.3x (docs/experiments/2026-12-04-lean-decoder-plan.md),
+#: so a quantized CPU target verifies at most this many tokens per pass
+QUANTIZED_CPU_PASS_TOKENS = 4
 
 
 class Int8Linear(nn.Module):
