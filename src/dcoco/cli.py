@@ -431,9 +431,7 @@ def cmd_demo(args) -> int:
 
     _setup(args)
     prompt = args.prompt or DEMO_PROMPT
-    numerics = "".join(
-        [f", {args.quantization}" if args.quantization != "none" else "", ", exact" if args.exact else ""]
-    )
+    numerics = (f", {args.quantization}" if args.quantization != "none" else "") + (", exact" if args.exact else "")
     print(
         f"dcoco demo: target {args.model or 'SmolLM2-135M-Instruct (embedded)'}, {args.dtype}{numerics}, "
         f"{args.device}, method {args.method}",
