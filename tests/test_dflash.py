@@ -707,3 +707,33 @@ def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_pa
     curve = read_log(tmp_path / "c" / "drafter" / CURVE_LOG)
     assert [(r["stage"], r["samples_seen"]) for r in curve] == [(0, 12), (1, 16), (1, 20)]
     assert "eval_tau_decode" in curve[0] and "loss" not in curve[0]
+
+
+def test_wsd_schedule_holds_the_rate_then_decays_and_exports_the_drafter_before_the_decay(tiny_data, tmp_path):
+    """`optim.schedule=wsd`: warm-up, the peak rate held, a linear decay to `min_lr_ratio` over the last
+    `decay_fraction` of the steps; `run.out/stable` holds the drafter as it was when the decay began
+    (the point a next stage continues from), with the sequences and curve rows up to that step."""
+    import json
+
+    from dcoco.train.runstate import read_log
+    from dcoco.train.trainer import CURVE_LOG
+
+    target, root = tiny_data
+    over = {"optim.steps": 12, "optim.warmup_steps": 2, "optim.schedule": "wsd", "optim.decay_fraction": 0.25}
+    tr = Trainer(_cfg(root, tmp_path / "w", **over), target, RegeneratedData(root))
+    tr.run(progress=False)
+    lr = [r["lr"] for r in read_log(tmp_path / "w" / "log.jsonl")]  # the rate of the next step
+    assert lr[1:8] == pytest.approx([3e-3] * 7)  # steps 2..8 at the peak: the decay starts at step 9
+    assert lr[8:11] == pytest.approx([2.1e-3, 1.2e-3, 3e-4])  # steps 9, 10, 11: the last one at the floor
+    stable = tmp_path / "w" / "stable"
+    assert json.loads((stable / "config.json").read_text())["dcoco_training"]["samples_seen"] == 9 * 4
+    assert [r["step"] for r in read_log(stable / CURVE_LOG)] == list(range(1, 10))
+    decayed = Trainer(
+        _cfg(root, tmp_path / "x", **{"drafter.init_from": str(tmp_path / "w" / "drafter")}),
+        target,
+        RegeneratedData(root),
+    )
+    held = Trainer(_cfg(root, tmp_path / "y", **{"drafter.init_from": str(stable)}), target, RegeneratedData(root))
+    assert held.samples_before == 36 and decayed.samples_before == 48
+    differ = [not torch.equal(a, b) for a, b in zip(held.model.parameters(), decayed.model.parameters())]
+    assert any(differ)  # the stable export is not the last step's drafter

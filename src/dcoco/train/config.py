@@ -79,6 +79,12 @@ class OptimSection(_Section):
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
+    # cosine: warm up, then decay over the whole run. wsd (warm-up, stable, decay): hold `lr`, then
+    # decay linearly over the last `decay_fraction` of the steps; the drafter as it was before the
+    # decay is exported to `run.out/stable`, and the next stage continues from it
+    # (`drafter.init_from=.../stable`) at the stable rate instead of climbing back from a decayed one
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = Field(0.2, gt=0, le=1)
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)

@@ -1,7 +1,7 @@
-"""The drafter training loop: AdamW + warm-up + cosine, gradient clipping, periodic held-out
-evaluation (`Evaluator`), a time budget, atomic checkpoints and exact resume. What is trained comes
-from the family registry: the model (`Family.build_model`), the loss (`Family.build_loss`, one per
-family in `dcoco.train.losses`) and the export (`Family.save`).
+"""The drafter training loop: AdamW + warm-up + cosine (or warm-up, stable, decay: `optim.schedule`),
+gradient clipping, periodic held-out evaluation (`Evaluator`), a time budget, atomic checkpoints and
+exact resume. What is trained comes from the family registry: the model (`Family.build_model`), the
+loss (`Family.build_loss`, one per family in `dcoco.train.losses`) and the export (`Family.save`).
 
 One step takes `batch_size` sequences and `anchors_per_seq` anchor positions in each (sampled
 uniformly over response positions; `dcoco.train.batch`). Every step logs its pace (`samples_per_s`:
@@ -171,8 +171,19 @@ class Trainer:
         o = self.cfg.optim
         if step < o.warmup_steps:
             return (step + 1) / o.warmup_steps
+        if o.schedule == "wsd":
+            start = self.decay_start
+            t = (step - start + 1) / max(1, o.steps - start) if step >= start else 0.0
+            return 1 - (1 - o.min_lr_ratio) * min(1.0, t)
         t = (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps)
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    @property
+    def decay_start(self) -> int:
+        """`optim.schedule=wsd`: the first step taken at a decayed learning rate (the stable phase and
+        the warm-up are the steps before it)."""
+        o = self.cfg.optim
+        return max(o.warmup_steps, o.steps - round(o.decay_fraction * o.steps))
 
     def next_batch(self) -> Batch:
         o = self.cfg.optim
@@ -292,6 +303,8 @@ class Trainer:
                     seq_s=f"{m['samples_per_s']:.2f}",
                 )
                 bar.update(1)
+                if o.schedule == "wsd" and self.step == self.decay_start and self.lead:
+                    self.export(self.out / "stable")  # what the next stage continues from
                 if self.step % r.checkpoint_every == 0 or self.step == o.steps:
                     self.save()
         except KeyboardInterrupt:
