@@ -396,7 +396,7 @@ def test_a_peer_crash_ends_its_own_process_only():
             IsolatedPeer("llamacpp", LlamaCppPeer, {0}, Path("m.gguf"), 64, 1)
 
 
-def test_drafter_checkpoints_count_as_available_and_are_fingerprinted(tmp_path):
+def test_drafter_checkpoints_count_as_available_and_are_fingerprinted(tmp_path, monkeypatch):
     import os
 
     from dcoco.bench import make_config
@@ -415,6 +415,11 @@ def test_drafter_checkpoints_count_as_available_and_are_fingerprinted(tmp_path):
     os.utime(ck / "model.safetensors", ns=(1, 1))
     assert drafter_fingerprint("dflash", str(ck)) != a
     assert drafter_fingerprint("ngram", None) is None and drafter_fingerprint("hf_generate", None) is None
+    monkeypatch.chdir(tmp_path)  # inside the working directory: run.json and the reports name it relatively
+    cfg = make_config({"methods": "dflash", "drafters": f"dflash={ck}", "model": str(ck)})
+    assert (
+        cfg.drafters == {"dflash": "ck"} and cfg.model == "ck" and drafter_fingerprint("dflash", "ck").startswith("ck@")
+    )
 
 
 def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):

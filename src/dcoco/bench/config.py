@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError, ModelNotFoundError, UnknownMethodError
+from .system import shown_path
 
 #: peers measured in the same run (one prompt at a time): HF generate, HF prompt-lookup assisted
 #: generation, HF assisted generation with a small assistant model, llama.cpp on the same GGUF
@@ -151,7 +152,7 @@ def parse_drafters(value: Any) -> dict[str, str]:
         p = Path(path).expanduser().resolve()
         if not (p / "config.json").is_file():
             raise ModelNotFoundError(f"--drafters: no drafter checkpoint (config.json) in {p}")
-        out[method] = str(p)
+        out[method] = shown_path(p)
     return out
 
 
@@ -249,7 +250,7 @@ def make_config(
         quantization=merged["quantization"],
         exact=bool(merged["exact"]),
         device=merged["device"],
-        model=None if merged["model"] is None else str(Path(merged["model"]).expanduser().resolve()),
+        model=None if merged["model"] is None else shown_path(merged["model"]),
         num_speculative_tokens=k,
         top_k=top_k,
         top_p=top_p,

@@ -46,7 +46,7 @@ from ..datasets import DatasetError, Prompt, dataset_name, load_prompts
 from ..errors import ConfigError, PromptTooLongError
 from .config import PEERS, BenchConfig
 from .peers import Unavailable, unavailable_reason
-from .system import device_label, git_commit, machine_info
+from .system import device_label, git_commit, machine_info, shown_path
 
 ROW_KEYS = (
     "method",
@@ -190,11 +190,7 @@ def drafter_fingerprint(method: str, path: Optional[str]) -> Optional[str]:
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
             if f.name == "config.json":
                 h.update(f.read_bytes())
-    try:  # shown relative to the working directory when inside it: reports name no machine's paths
-        root = root.resolve().relative_to(Path.cwd().resolve())
-    except ValueError:
-        pass
-    return f"{root}@{h.hexdigest()[:12]}"
+    return f"{shown_path(root)}@{h.hexdigest()[:12]}"
 
 
 # -- derived columns ---------------------------------------------------------------------------------

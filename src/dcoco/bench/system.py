@@ -31,6 +31,16 @@ def device_label(device: str) -> str:
     return f"{device}: {cpu_model()}"
 
 
+def shown_path(path) -> str:
+    """`path` resolved, and relative to the working directory when inside it, so that run.json and the
+    reports name no machine's directories (the run itself works from either form)."""
+    p = Path(path).expanduser().resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
 def git_commit(path: Optional[Path] = None) -> str:
     """Short commit of the dcoco checkout (``+dirty`` when tracked files differ), or ``"unknown"``.
     Read-only: uses ``--no-optional-locks`` so git never rewrites the index."""
