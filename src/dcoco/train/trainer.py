@@ -171,9 +171,9 @@ class Trainer:
         o = self.cfg.optim
         if step < o.warmup_steps:
             return (step + 1) / o.warmup_steps
-        if o.schedule == "wsd":
+        if o.schedule == "wsd":  # 1 until decay_start, then linearly down to min_lr_ratio
             start = self.decay_start
-            t = (step - start + 1) / max(1, o.steps - start) if step >= start else 0.0
+            t = max(0, step - start + 1) / max(1, o.steps - start)
             return 1 - (1 - o.min_lr_ratio) * min(1.0, t)
         t = (step - o.warmup_steps) / max(1, o.steps - o.warmup_steps)
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
