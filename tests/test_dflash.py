@@ -427,6 +427,36 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     assert raw["dcoco_config"]["sampled_walk"] and again.dcfg.sampled_walk
 
 
+def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):
+    """drafter.dcoco.corrector_from puts a trained corrector on another DFlash (drafter.init_from):
+    the backbone's weights come from the one, the corrector's from the other; a DCOCO checkpoint as
+    the backbone, or a DFlash one as the corrector, is refused."""
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
+    shape = {"drafter.dcoco.top_k": 3, "drafter.dcoco.proj_dim": 8, "drafter.dcoco.hidden": 16}
+    first = {"optim.steps": 3, "drafter.init_from": str(tmp_path / "a" / "drafter"), **shape}
+    Trainer(_cfg(root, tmp_path / "c", method="dcoco", **first), target, RegeneratedData(root)).run(progress=False)
+    more = {"optim.steps": 2, "drafter.init_from": str(tmp_path / "a" / "drafter")}
+    Trainer(_cfg(root, tmp_path / "b", **more), target, RegeneratedData(root)).run(progress=False)
+    backbone, corrected = (load_trained(tmp_path / x / "drafter")[1] for x in ("b", "c"))
+    moved = {
+        "drafter.init_from": str(tmp_path / "b" / "drafter"),
+        "drafter.dcoco.corrector_from": str(tmp_path / "c" / "drafter"),
+    }
+    got = Trainer(_cfg(root, tmp_path / "m", method="dcoco", **moved), target, RegeneratedData(root)).model.state_dict()
+    for k, v in backbone.state_dict().items():
+        assert torch.equal(got[k], v), k
+    for k, v in corrected.corrector.state_dict().items():
+        assert torch.equal(got[f"corrector.{k}"], v), k
+    assert not torch.equal(got["layers.0.mlp.up_proj.weight"], corrected.state_dict()["layers.0.mlp.up_proj.weight"])
+    for bad in (
+        {**moved, "drafter.init_from": moved["drafter.dcoco.corrector_from"]},
+        {**moved, "drafter.dcoco.corrector_from": moved["drafter.init_from"]},
+    ):
+        with pytest.raises(ConfigError, match="corrector_from"):
+            Trainer(_cfg(root, tmp_path / "x", method="dcoco", **bad), target, RegeneratedData(root))
+
+
 def test_default_draft_length_round_trips(tmp_path):
     target = tiny()
     cfg = DFlashConfig.for_target(target, num_layers=1, block_size=6, num_features=2)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..drafters.checkpoint import load_weights
+from ..drafters.checkpoint import load_checkpoint, load_weights
 from ..drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel
 from ..drafters.dflash import DFlashConfig, save_dflash
 from ..errors import ConfigError
@@ -24,6 +24,9 @@ class DCOCOSettings(DCOCOConfig):
     # + corrector_l1_weight * ||q - p_target||_1, q the T > 0 walk's distribution given the target's
     # previous token (its T=1 acceptance; needs the target's last layer in the data, as DSpark)
     corrector_l1_weight: float = 0.0
+    # a DCOCO checkpoint whose trained corrector goes on the DFlash backbone of `drafter.init_from`:
+    # the corrector continues onto the next stage's DFlash instead of starting from zero again
+    corrector_from: Optional[str] = None
 
     def corrector(self) -> DCOCOConfig:
         return narrowed(self, DCOCOConfig)
@@ -68,7 +71,7 @@ class DCOCOFamily(DFlashFamily):
         """A zero-initialised corrector on the DFlash backbone; from a DCOCO checkpoint, its trained
         corrector (its shape comes with it, the inference defaults from the settings)."""
         s: DCOCOSettings = d.dcoco
-        trained = start
+        trained = self.corrector_on(d, target, start) if s.corrector_from else start
         if isinstance(trained, DCOCOModel):
             dcfg = trained.dcfg.model_copy(
                 update={
@@ -92,6 +95,28 @@ class DCOCOFamily(DFlashFamily):
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("corrector."))
         return self.finish(model, d, target, source)
+
+    def corrector_on(self, d, target, start) -> DCOCOModel:
+        """The corrector of `drafter.dcoco.corrector_from` on the backbone of `drafter.init_from`."""
+        path = d.dcoco.corrector_from
+        if start is None or isinstance(start, DCOCOModel):
+            raise ConfigError(
+                "drafter.dcoco.corrector_from: drafter.init_from must be the DFlash checkpoint that gets its corrector"
+            )
+        raw, state = load_checkpoint(path)
+        if not self.recognizes(raw):
+            raise ConfigError(f"drafter.dcoco.corrector_from: {path} is not a DCOCO checkpoint")
+        donor = self.read(raw, state, path)
+        backbone = DFLASH.backbone(d, target, start)
+        if donor.cfg.hidden_size != backbone.cfg.hidden_size:
+            raise ConfigError(
+                f"drafter.dcoco.corrector_from: {path} has hidden size {donor.cfg.hidden_size}, "
+                f"the backbone {backbone.cfg.hidden_size}"
+            )
+        model = DCOCOModel(backbone.cfg, donor.dcfg)
+        model.load_state_dict(backbone.state_dict(), strict=False)
+        model.corrector.load_state_dict(donor.corrector.state_dict())
+        return model
 
     def reads_last_layer(self, d) -> bool:
         return d.dcoco.corrector_l1_weight > 0
