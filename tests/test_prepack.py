@@ -90,3 +90,32 @@ def test_target_prepacks_its_bf16_linears_on_cpu(monkeypatch):
     off = tiny_model().to(torch.bfloat16)
     Target(off)
     assert not prepack_enabled() and not any(isinstance(m, PrepackedLinear) for m in off.modules())
+
+
+def test_trained_drafters_prepack_their_bf16_linears(tmp_path, monkeypatch):
+    """`load_drafter` packs a bf16 drafter's linears and its draft-vocabulary head as the target's:
+    same hidden states and draft logits as the plain layers."""
+    from dcoco.drafters.dflash import BlockDrafter, DFlashConfig, DFlashModel, save_dflash
+    from dcoco.speculative import SpeculativeConfig, load_drafter
+
+    target = Target(tiny_model().to(torch.bfloat16))
+    torch.manual_seed(0)
+    model = DFlashModel(DFlashConfig.for_target(target, num_layers=1, block_size=4, num_features=2))
+    model.set_draft_vocab(torch.arange(0, target.vocab_size, 3))
+    save_dflash(tmp_path, model)
+    drafter = load_drafter(SpeculativeConfig(method="dflash", model=str(tmp_path)), target)
+    linears = [m for m in drafter.model.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) > 5 and all(isinstance(m, PrepackedLinear) for m in linears)
+    assert isinstance(drafter.draft_head, PrepackedLinear)
+    monkeypatch.setenv("DCOCO_PREPACK", "0")
+    plain = BlockDrafter(model.to(torch.bfloat16), target)
+    assert type(plain.draft_head) is nn.Linear and not any(isinstance(m, PrepackedLinear) for m in model.modules())
+    H, n = model.cfg.hidden_size, len(model.cfg.target_layer_ids)
+    feats, emb = torch.randn(1, 7, n * H, dtype=torch.bfloat16), torch.randn(1, 4, H, dtype=torch.bfloat16)
+    ctx_pos, pos = torch.arange(7).unsqueeze(0), torch.arange(6, 10).unsqueeze(0)
+    with torch.no_grad():
+        got = drafter.model(emb, pos, drafter.model.context_kv(feats, ctx_pos), None)
+        want = model(emb, pos, model.context_kv(feats, ctx_pos), None)
+        assert any(m._packed is not None for m in linears)  # the packed kernels ran
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(drafter.draft_logits(got[:, 1:]), plain.draft_logits(got[:, 1:]))

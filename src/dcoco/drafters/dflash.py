@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import ModelNotFoundError
 from ..nn.layers import DraftDecoderLayer, RMSNorm, rope_cos_sin
+from ..nn.prepack import linear_of
 from ..verify import draw_uniforms, sample_from, target_probs
 from .base import Drafter, DraftInput, DraftOutput, check_feature_drafter
 from .checkpoint import save_checkpoint
@@ -324,9 +325,9 @@ class BlockDrafter(Drafter):
         self.cfg = model.cfg
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
-        # the LM head rows of the draft vocabulary, sliced once (None: the full head)
+        # the LM head rows of the draft vocabulary, sliced (and prepacked) once (None: the full head)
         ids = model.draft_ids
-        self.head_rows = None if ids is None else self.lm_head.weight[ids].detach().contiguous()
+        self.draft_head = None if ids is None else linear_of(self.lm_head.weight[ids].detach().contiguous())
         self.tap_layers = self.cfg.taps
         # the checkpoint's default draft length (dcoco_num_speculative_tokens), else every slot
         self.default_num_tokens = min(self.cfg.num_speculative_tokens or model.max_draft, model.max_draft)
@@ -421,9 +422,9 @@ class BlockDrafter(Drafter):
         """Float logits (..., V) of the target's LM head; with a draft vocabulary only its rows are
         computed and every other token gets -inf (never drafted, probability 0 in q)."""
         flat = hidden.reshape(-1, hidden.shape[-1])  # one matrix product, whatever the caller's strides
-        if self.head_rows is None:
+        if self.draft_head is None:
             return self.lm_head(flat).float().view(*hidden.shape[:-1], -1)
-        sub = torch.nn.functional.linear(flat, self.head_rows).float()
+        sub = self.draft_head(flat).float()
         if getattr(self.lm_head, "bias", None) is not None:
             sub = sub + self.lm_head.bias[self.model.draft_ids].float()
         out = sub.new_full((sub.shape[0], self.cfg.vocab_size), float("-inf"))

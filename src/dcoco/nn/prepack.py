@@ -68,4 +68,13 @@ def prepack_linears(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["PrepackedLinear", "prepack_enabled", "prepack_linears", "prepack_supported"]
+def linear_of(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer around `weight` (out, in), prepacked like `prepack_linears` would:
+    for products by a weight that is not a module's, such as an LM head's rows."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    prepack_linears(layer)
+    return layer
+
+
+__all__ = ["PrepackedLinear", "linear_of", "prepack_enabled", "prepack_linears", "prepack_supported"]
