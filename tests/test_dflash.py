@@ -559,6 +559,14 @@ def test_cached_features_are_the_online_ones_and_are_read_back(tiny_data, tmp_pa
         assert torch.equal(a, b)
     with pytest.raises(AssertionError, match="cached sequence"):
         again.features(online.train_samples[5:6])
+    # a loss that also reads the target's last layer (DCOCO's T > 0 output) is served the same entries
+    l1 = {"method": "dcoco", "drafter.dcoco.corrector_l1_weight": 1.0}
+    with_last = Trainer(_cfg(root, tmp_path / "l", **over, **l1), target, RegeneratedData(root)).features(samples)
+    monkeypatch.undo()
+    online_over = {"optim.steps": 1, "data.features": "online"}
+    online_last = Trainer(_cfg(root, tmp_path / "m", **online_over, **l1), target, RegeneratedData(root))
+    for a, b in zip(with_last, online_last.features(samples)):
+        assert a.shape[1] == b.shape[1] > want[0].shape[1] and torch.equal(a, b)
 
 
 def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):

@@ -87,13 +87,16 @@ class FeatureSource:
                 f"{data.root} has taps {self.data_taps}: regenerate the data with `dcoco data regenerate`"
             )
         wanted = taps + ([L] if last_layer else [])
-        self.split = len(taps) * H
-        self.columns = torch.cat([torch.arange(i, i + H) for i in (self.data_taps.index(t) * H for t in wanted)])
+        self.split, self.width = len(taps) * H, len(wanted) * H
         self.cache = None
         if cache is not None and online:
+            # the cache keeps the last layer whether or not this loss reads it, so a later run on the
+            # same data whose loss does (DCOCO's T > 0 output, DSpark) reads the same entries
+            wanted = taps + [L]
             shape = {k: v for k, v in data.manifest.items() if k.startswith("target_")}
             identity = {**shape, "dtype": str(target.dtype), "taps": wanted}
             self.cache = FeatureCache(cache, identity, target.device)
+        self.columns = torch.cat([torch.arange(i, i + H) for i in (self.data_taps.index(t) * H for t in wanted)])
 
     def _select(self, f: torch.Tensor) -> torch.Tensor:
         cols = self.columns
@@ -115,4 +118,5 @@ class FeatureSource:
                     out[i] = self._select(self.target.prefill([ids])[1].features[0].clone())
                     if self.cache:
                         self.cache.put(ids, out[i])
-        return out
+        # a cached entry's last layer, where this loss does not read it, left out
+        return [f if f.shape[1] == self.width else f[:, : self.width].contiguous() for f in out]
