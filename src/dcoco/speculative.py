@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from .drafters.base import Drafter
 from .errors import ConfigError, UnknownMethodError
 from .families import FAMILIES, METHODS, get_family, load_drafter_model, shipped_checkpoint
-from .nn.prepack import prepack_linears
 
 
 class SpeculativeConfig(BaseModel):
@@ -126,7 +125,6 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
     if not family.trained:
         return family.make_drafter(cfg, target)
     model = load_drafter_model(cfg.method, cfg.model, dtype=target.dtype).to(target.device)
-    prepack_linears(model)  # bf16 on the CPU: weights packed once for oneDNN, as the target's
     drafter = family.drafter(model, target)
     drafter.check_target(target)
     family.configure(drafter, cfg)

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from ..drafters.base import Drafter
 from ..errors import ModelNotFoundError
+from ..nn.prepack import prepack_linears
 
 
 def narrowed(settings: BaseModel, cls: type[BaseModel]) -> BaseModel:
@@ -65,8 +66,11 @@ class Family:
         raise NotImplementedError
 
     def drafter(self, model: torch.nn.Module, target) -> Drafter:
-        """The inference wrapper around a model of this family (fresh per-request state)."""
-        return self.drafter_class(self.check_model(model), target)
+        """The inference wrapper around a model of this family (fresh per-request state); a bf16 model's
+        linears on the CPU are packed once for oneDNN, as the target's (`dcoco.nn.prepack`)."""
+        model = self.check_model(model)
+        prepack_linears(model)
+        return self.drafter_class(model, target)
 
     def configure(self, drafter: Drafter, spec) -> None:
         """Apply the spec's inference options (`spec_options`) to the drafter."""

@@ -88,15 +88,16 @@ class FeatureSource:
             )
         wanted = taps + ([L] if last_layer else [])
         self.split, self.width = len(taps) * H, len(wanted) * H
+        # a cache keeps the last layer whether or not this loss reads it, so a later run on the same
+        # data whose loss does (DCOCO's T > 0 output, DSpark) reads the same entries
+        caching = cache is not None and online
+        kept = taps + [L] if caching else wanted
         self.cache = None
-        if cache is not None and online:
-            # the cache keeps the last layer whether or not this loss reads it, so a later run on the
-            # same data whose loss does (DCOCO's T > 0 output, DSpark) reads the same entries
-            wanted = taps + [L]
+        if caching:
             shape = {k: v for k, v in data.manifest.items() if k.startswith("target_")}
-            identity = {**shape, "dtype": str(target.dtype), "taps": wanted}
+            identity = {**shape, "dtype": str(target.dtype), "taps": kept}
             self.cache = FeatureCache(cache, identity, target.device)
-        self.columns = torch.cat([torch.arange(i, i + H) for i in (self.data_taps.index(t) * H for t in wanted)])
+        self.columns = torch.cat([torch.arange(i, i + H) for i in (self.data_taps.index(t) * H for t in kept)])
 
     def _select(self, f: torch.Tensor) -> torch.Tensor:
         cols = self.columns
