@@ -93,7 +93,7 @@ def test_target_prepacks_its_bf16_linears_on_cpu(monkeypatch):
 
 
 def test_trained_drafters_prepack_their_bf16_linears(tmp_path, monkeypatch):
-    """A bf16 drafter (here through `load_drafter`) packs's linears and its draft-vocabulary head as the target's:
+    """A bf16 drafter loaded by `load_drafter` has its linears and draft-vocabulary head packed as the target's:
     same hidden states and draft logits as the plain layers."""
     from dcoco.drafters.dflash import BlockDrafter, DFlashConfig, DFlashModel, save_dflash
     from dcoco.speculative import SpeculativeConfig, load_drafter
