@@ -3,8 +3,10 @@
 Speedups are measured against the run whose draft method is `none` (the no-draft baseline, same
 config otherwise): rollout speedup = rollout tokens/s over the baseline's, end-to-end speedup =
 rollout tokens per second of the whole step (rollout + policy update + draft update) over the
-baseline's. Throughputs, not times, because the runs' completions differ in length. The table uses
-medians over steps (the machine is shared and noisy); the plot shows the per-step ratios.
+baseline's. Throughputs, not times, because the runs' completions differ in length. The table gives
+each run's start and end (reward and acceptance length over its first and last 10 steps, validation
+at its first and last point) and medians over steps for throughputs and times; the plot shows every
+step and every validation.
 """
 
 from __future__ import annotations
@@ -69,14 +71,26 @@ def _median(rows: list[dict], key: str) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
+def _mean(rows: list[dict], key: str) -> Optional[float]:
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
 def _run_summary(d: Path) -> dict:
+    """One run's start and end (reward and rollout τ over its first and last 10 steps, validation at
+    its first and last point: what decides whether the policy learned and the draft kept up) and its
+    medians over all steps (throughputs and times)."""
     cfg = json.loads((d / "config.json").read_text())
     rows = read_log(d / "log.jsonl")
     steps = [r for r in rows if "reward" in r]
     if not steps:
         raise ConfigError(f"{d}: no training steps logged yet")
     val = [r for r in rows if "val_acc" in r]
-    last = steps[-10:]
+    first, last = steps[:10], steps[-10:]
+
+    def ends(key: str) -> tuple[Optional[float], Optional[float]]:
+        return (val[0].get(key), val[-1].get(key)) if val else (None, None)
+
     return {
         "run": d.name,
         "dir": str(d),
@@ -84,9 +98,13 @@ def _run_summary(d: Path) -> dict:
         "cotrain": cfg["draft"]["cotrain"],
         "steps": steps[-1]["step"],
         "rows": steps,
-        "reward_last10": sum(r["reward"] for r in last) / len(last),
-        "val_acc_first": val[0]["val_acc"] if val else None,
-        "val_acc_last": val[-1]["val_acc"] if val else None,
+        "val_rows": val,
+        # (start, end) pairs
+        "reward": (_mean(first, "reward"), _mean(last, "reward")),
+        "tau": (_mean(first, "acceptance_length"), _mean(last, "acceptance_length")),
+        "val_reward": ends("val_reward"),
+        "val_acc": ends("val_acc"),
+        "val_tau": ends("val_acceptance_length"),
         "acceptance_length": _median(steps, "acceptance_length"),
         "rollout_tps": _median(steps, "rollout_tps"),
         "step_tps": _median(steps, "step_tps"),
@@ -116,24 +134,29 @@ def compare(run_dirs: list[str], out: str) -> Path:
     def f(x, p=2, unit=""):
         return "-" if x is None else f"{x:.{p}f}{unit}"
 
+    def span(pair: tuple, p: int = 2) -> str:
+        return f"{f(pair[0], p)} -> {f(pair[1], p)}"
+
     lines = [
-        "| run | draft | co-trained | steps | reward (last 10) | val acc first -> last | acceptance length | "
-        "rollout tok/s | rollout speedup | step tok/s | end-to-end speedup | train-infer KL |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | draft | co-trained | steps | rollout reward, first 10 -> last 10 | val reward, first -> last | "
+        "val acc, first -> last | rollout τ, first 10 -> last 10 | val τ (T=0), first -> last | rollout tok/s | "
+        "rollout speedup | s/step | end-to-end speedup | train-infer KL |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         lines.append(
             f"| {r['run']} | {r['method']} | {'yes' if r['cotrain'] and r['method'] != 'none' else 'no'} | "
-            f"{r['steps']} | {f(r['reward_last10'], 3)} | {f(r['val_acc_first'])} -> {f(r['val_acc_last'])} | "
-            f"{f(r['acceptance_length'])} | {f(r['rollout_tps'], 1)} | {f(r['rollout_speedup'], unit='x')} | "
-            f"{f(r['step_tps'], 1)} | {f(r['e2e_speedup'], unit='x')} | {f(r['train_infer_kl'], 6)} |"
+            f"{r['steps']} | {span(r['reward'], 3)} | {span(r['val_reward'], 3)} | {span(r['val_acc'])} | "
+            f"{span(r['tau'])} | {span(r['val_tau'])} | {f(r['rollout_tps'], 1)} | "
+            f"{f(r['rollout_speedup'], unit='x')} | {f(r['step_s'], 1)} | {f(r['e2e_speedup'], unit='x')} | "
+            f"{f(r['train_infer_kl'], 6)} |"
         )
-    note = "Medians over steps. Speedups are tokens/s ratios against the `none` run" + (
-        "." if base else "; no `none` run given, so no speedups."
+    note = "Rollout tok/s, s/step and the KL are medians over steps; speedups are tokens/s ratios against the " + (
+        "`none` run." if base else "`none` run, and none was given."
     )
     (outd / "compare.md").write_text("\n".join(lines) + "\n\n" + note + "\n")
     (outd / "compare.json").write_text(
-        json.dumps([{k: v for k, v in r.items() if k != "rows"} for r in runs], indent=2) + "\n"
+        json.dumps([{k: v for k, v in r.items() if k not in ("rows", "val_rows")} for r in runs], indent=2) + "\n"
     )
     _plot_compare(runs, base, outd / "compare.png")
     return outd / "compare.md"
@@ -141,18 +164,28 @@ def compare(run_dirs: list[str], out: str) -> Path:
 
 def _plot_compare(runs: list[dict], base: Optional[dict], out: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ax = plt.subplots(3, 2, figsize=(11, 10))
     ax = ax.ravel()
     base_tps = {r["step"]: r["rollout_tps"] for r in base["rows"]} if base else {}
     for i, r in enumerate(runs):
         style = {"label": r["run"], "color": f"C{i}"}
         ax[0].plot(*_series(r["rows"], "reward"), **style)
         ax[1].plot(*_series(r["rows"], "acceptance_length"), **style)
-        ax[2].plot(*_series(r["rows"], "rollout_tps"), **style)
+        ax[2].plot(*_series(r["val_rows"], "val_reward"), marker="o", **style)
+        ax[3].plot(*_series(r["val_rows"], "val_acceptance_length"), marker="o", **style)
+        ax[4].plot(*_series(r["rows"], "rollout_tps"), **style)
         if base and r is not base:
             pts = [(s["step"], s["rollout_tps"] / base_tps[s["step"]]) for s in r["rows"] if base_tps.get(s["step"])]
-            ax[3].plot([p[0] for p in pts], [p[1] for p in pts], **style)
-    for a, y in zip(ax, ("rollout reward", "acceptance length", "rollout tokens/s", "rollout speedup vs no draft")):
+            ax[5].plot([p[0] for p in pts], [p[1] for p in pts], **style)
+    labels = (
+        "rollout reward",
+        "rollout acceptance length",
+        "validation reward",
+        "validation acceptance length (T=0)",
+        "rollout tokens/s",
+        "rollout speedup vs no draft",
+    )
+    for a, y in zip(ax, labels):
         a.set_xlabel("step")
         a.set_ylabel(y)
         a.grid(alpha=0.3)
