@@ -266,6 +266,21 @@ def test_rollouts_with_the_live_draft_are_lossless(tmp_path, method):
     assert stats.drafted > 0
 
 
+def test_load_aware_rollouts_draft_only_within_the_token_budget(tmp_path):
+    """`rollout.draft_token_budget`: B running requests draft budget // B - 1 tokens per pass, so a
+    budget of 1 never drafts and samples exactly the no-draft run's rollouts; validation drafts the full
+    block."""
+    never = make_run(tmp_path, "dflash", name="never", **{"rollout.draft_token_budget": 1}).collect(0)
+    plain = make_run(tmp_path, "none", name="plain").collect(0)
+    assert never["stats"].drafted == 0
+    assert [o.token_ids for o in never["outs"]] == [o.token_ids for o in plain["outs"]]
+    run = make_run(tmp_path, "dflash", name="val", **{"rollout.draft_token_budget": 1})
+    prompts = [run.policy.encode(p.prompt) for p in ToyTask().val_problems()]
+    with torch.no_grad():  # as `validate` calls it: no budget
+        _, stats, _ = run.rollout(prompts, [SamplingParams(temperature=0.0, max_tokens=12)] * len(prompts))
+    assert stats.drafted == stats.verify_passes * run.draft.model.max_draft  # every request, every pass
+
+
 def test_engine_logprobs_are_the_sampling_distribution():
     """The engine's per-token log-probs equal log p of the request's own transform of the target logits
     (temperature, top-k, top-p), for the prefill token and the verified ones, with a draft or without."""

@@ -50,6 +50,10 @@ class RolloutSection(_Section):
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0.0)  # rollouts must sample; validation decodes greedily
     num_speculative_tokens: Optional[int] = Field(None, ge=0)  # None: the drafter's default block
+    # load-aware drafting of the training rollouts: at most this many tokens per verification pass
+    # (a full batch decodes plainly, the draft block grows as completions finish; validation keeps
+    # the full block, so its τ still measures the draft); None: every pass drafts the full block
+    draft_token_budget: Optional[int] = Field(None, ge=1)
 
 
 class GRPOSection(_Section):

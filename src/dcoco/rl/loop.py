@@ -39,6 +39,7 @@ from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..metrics import SpecStats
 from ..sampling import SamplingParams
+from ..serve.policy import LoadAwarePolicy
 from ..target import Target, resolve_dtype
 from ..train.runstate import append_log, save_state, truncate_log
 from .config import RLConfig
@@ -103,8 +104,9 @@ class RLRun:
         if self.draft is not None and self.rollout_draft is not self.draft.model:
             self.rollout_draft.load_state_dict(self.draft.model.state_dict())
 
-    def rollout(self, prompts: list[list[int]], params: list[SamplingParams]):
-        """Generate through a fresh engine with the current draft; returns outputs, stats, seconds."""
+    def rollout(self, prompts: list[list[int]], params: list[SamplingParams], token_budget: Optional[int] = None):
+        """Generate through a fresh engine with the current draft (load-aware within `token_budget`
+        tokens per pass when given); returns outputs, stats, seconds."""
         self.sync()
         drafter = self.draft.family.drafter(self.rollout_draft, self.rollout_target) if self.draft else None
         engine = SpeculativeEngine(
@@ -112,6 +114,7 @@ class RLRun:
             drafter,
             self.cfg.rollout.num_speculative_tokens,
             max_batch_size=len(prompts),
+            draft_policy=None if token_budget is None else LoadAwarePolicy(token_budget),
             logprobs=True,
         )
         t0 = time.perf_counter()
@@ -132,7 +135,7 @@ class RLRun:
             SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, seed=rng.getrandbits(63))
             for _ in prompts
         ]
-        outs, stats, secs = self.rollout(prompts, params)
+        outs, stats, secs = self.rollout(prompts, params, r.draft_token_budget)
         rewards = torch.tensor([self.task.reward(p, o.token_ids, o.text) for p, o in zip(problems, outs)])
         return {
             "outs": outs,
