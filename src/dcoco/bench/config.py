@@ -126,7 +126,7 @@ def engine_methods() -> list[str]:
 
 
 def parse_drafters(value: Any) -> dict[str, str]:
-    """``"dflash=DIR,dcoco=DIR"`` -> {method: absolute DIR}: drafter checkpoints to use instead of the
+    """``"dflash=DIR,dcoco=DIR"`` -> {method: DIR as `shown_path` writes it}: drafter checkpoints to use instead of the
     shipped ones (and for trained methods that ship none). A key may be a variant label
     (``dcoco/noemb=DIR``): a second checkpoint of the same family, side by side."""
     from ..families import trained_families
@@ -149,10 +149,10 @@ def parse_drafters(value: Any) -> dict[str, str]:
             raise UnknownMethodError(
                 f"--drafters: {method!r} is not a trained drafter method; choose from {', '.join(trained_families())}"
             )
-        p = Path(path).expanduser().resolve()
-        if not (p / "config.json").is_file():
+        p = shown_path(path)
+        if not (Path(p) / "config.json").is_file():
             raise ModelNotFoundError(f"--drafters: no drafter checkpoint (config.json) in {p}")
-        out[method] = shown_path(p)
+        out[method] = p
     return out
 
 
