@@ -25,6 +25,7 @@ from dcoco.train.data import Prompt, regenerate
 
 LAYERS = 4
 STEPS = 4
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def train(root, out, method, *extra):
         "optim.steps": STEPS,
         "optim.batch_size": 3,
         "optim.anchors_per_seq": 5,
-        "optim.lr": 1e-3,
+        "optim.lr": LR,
         "optim.warmup_steps": 1,
         "optim.autocast_bf16": False,
         "optim.threads": 2,
@@ -92,10 +93,15 @@ def test_two_processes_train_the_one_process_drafter(tiny_run, tmp_path, method)
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (a, b)
     one, two = (torch.load(tmp_path / d / "state.pt", weights_only=False)["model"] for d in ("one", "two"))
-    # the corrector's output bias shifts every candidate's score alike: the loss does not depend on
-    # it, its gradient is rounding noise, and AdamW moves it by about +-lr either way
-    for k in set(one) - {"corrector.out.bias"}:
-        assert torch.allclose(one[k].float(), two[k].float(), rtol=0, atol=1e-5), k
+    # AdamW divides each element's gradient by its own running scale, so an element whose gradient
+    # nearly cancels moves on rounding noise: the corrector's output bias (it shifts every candidate's
+    # score alike, so its gradient is noise) by about +-lr a step, and on an Intel AMX machine one of
+    # 8,192 MLP weights by 1.1e-5 (the rest by < 1e-6). A lost or doubled shard moves whole tensors:
+    # almost every element must agree to 1e-5, and none by more than AdamW's largest travel.
+    for k in one:
+        d = (one[k].float() - two[k].float()).abs()
+        off = (d > 1e-5).float().mean()
+        assert d.max() <= 2 * LR * STEPS and (k == "corrector.out.bias" or off <= 1e-3), (k, float(d.max()), float(off))
     assert list((tmp_path / "two" / "drafter").iterdir())  # rank 0 exported the drafter
 
 
