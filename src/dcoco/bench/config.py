@@ -126,9 +126,9 @@ def engine_methods() -> list[str]:
 
 
 def parse_drafters(value: Any) -> dict[str, str]:
-    """``"dflash=DIR,dcoco=DIR"`` -> {method: DIR as `shown_path` writes it}: drafter checkpoints to use instead of the
-    shipped ones (and for trained methods that ship none). A key may be a variant label
-    (``dcoco/noemb=DIR``): a second checkpoint of the same family, side by side."""
+    """``"dflash=DIR,dcoco=DIR"`` -> {method: DIR as `shown_path` writes it}: drafter checkpoints to
+    use instead of the shipped ones (and for trained methods that ship none). A key may be a variant
+    label (``dcoco/noemb=DIR``): a second checkpoint of the same family, side by side."""
     from ..families import trained_families
     from ..speculative import split_label
 
