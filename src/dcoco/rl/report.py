@@ -66,14 +66,10 @@ def plot_run(log: Path, out: Path, title: str = "GRPO") -> Optional[Path]:
     return Path(out)
 
 
-def _median(rows: list[dict], key: str) -> Optional[float]:
+def _stat(rows: list[dict], key: str, fn=statistics.median) -> Optional[float]:
+    """`fn` of `key` over the rows that have it (None when none has)."""
     vals = [r[key] for r in rows if key in r]
-    return statistics.median(vals) if vals else None
-
-
-def _mean(rows: list[dict], key: str) -> Optional[float]:
-    vals = [r[key] for r in rows if key in r]
-    return sum(vals) / len(vals) if vals else None
+    return fn(vals) if vals else None
 
 
 def _run_summary(d: Path) -> dict:
@@ -100,17 +96,17 @@ def _run_summary(d: Path) -> dict:
         "rows": steps,
         "val_rows": val,
         # (start, end) pairs
-        "reward": (_mean(first, "reward"), _mean(last, "reward")),
-        "tau": (_mean(first, "acceptance_length"), _mean(last, "acceptance_length")),
+        "reward": tuple(_stat(part, "reward", statistics.fmean) for part in (first, last)),
+        "tau": tuple(_stat(part, "acceptance_length", statistics.fmean) for part in (first, last)),
         "val_reward": ends("val_reward"),
         "val_acc": ends("val_acc"),
         "val_tau": ends("val_acceptance_length"),
-        "acceptance_length": _median(steps, "acceptance_length"),
-        "rollout_tps": _median(steps, "rollout_tps"),
-        "step_tps": _median(steps, "step_tps"),
-        "rollout_s": _median(steps, "rollout_s"),
-        "step_s": _median(steps, "step_s"),
-        "train_infer_kl": _median(steps, "train_infer_kl"),
+        "acceptance_length": _stat(steps, "acceptance_length"),
+        "rollout_tps": _stat(steps, "rollout_tps"),
+        "step_tps": _stat(steps, "step_tps"),
+        "rollout_s": _stat(steps, "rollout_s"),
+        "step_s": _stat(steps, "step_s"),
+        "train_infer_kl": _stat(steps, "train_infer_kl"),
     }
 
 
