@@ -343,6 +343,24 @@ def test_samples_with_no_response_within_max_length_are_left_out(tiny_data, tmp_
     assert kept and all(s["prompt_len"] <= 10 for s in kept)
 
 
+def test_train_samples_draws_a_seeded_subset_and_trains_only_on_it(tiny_data, tmp_path):
+    """data.train_samples=N keeps N training samples drawn by optim.seed (the same N on a resume, another
+    N for another seed), never a held-out one, and the steps read nothing else."""
+    target, root = tiny_data
+    over = {"data.train_samples": 3, "optim.steps": 4, "optim.seed": 1}
+    full = Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root))
+    tr = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
+    ids = [s["id"] for s in tr.train_samples]
+    assert len(ids) == 3 and set(ids) <= {s["id"] for s in full.train_samples}
+    assert ids == [s["id"] for s in Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root)).train_samples]
+    other = Trainer(_cfg(root, tmp_path / "c", **{**over, "optim.seed": 2}), target, RegeneratedData(root))
+    assert [s["id"] for s in other.train_samples] != ids
+    seen, read = set(), tr.features
+    tr.features = lambda samples: seen.update(s["id"] for s in samples) or read(samples)
+    tr.run(progress=False)
+    assert seen == set(ids)
+
+
 def test_training_loss_falls(tiny_data, tmp_path):
     target, root = tiny_data
     tr = Trainer(_cfg(root, tmp_path / "run"), target, RegeneratedData(root))

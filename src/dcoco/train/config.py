@@ -28,6 +28,10 @@ class DataSection(_Section):
     max_length: int = 1024  # tokens per sequence (prompt + response), longer ones are cut
     eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
     eval_samples: int = 48  # at most this many of them are evaluated
+    # train on this many of the training samples, drawn by optim.seed (None: all). A stage on a fresh
+    # machine with data.features=cached computes a subset's features once, then re-reads them for
+    # its later epochs at a third of the cost; the next stage's seed draws another subset
+    train_samples: Optional[int] = Field(None, ge=1)
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
     # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a
     # step on a CPU); cached: online the first time a sequence comes, then read from `feature_cache`

@@ -96,6 +96,10 @@ class Trainer:
         self.train_samples = [s for s, h in zip(samples, held) if not h]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
+        subset = cfg.data.train_samples
+        if subset is not None and subset < len(self.train_samples):
+            picked = sorted(random.Random(o.seed).sample(range(len(self.train_samples)), subset))
+            self.train_samples = [self.train_samples[i] for i in picked]
         self.device = target.device
         source = ModelSource(
             counts=lambda: token_counts(self.train_samples, target.vocab_size, cfg.data.max_length),
