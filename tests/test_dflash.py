@@ -352,7 +352,8 @@ def test_train_samples_draws_a_seeded_subset_and_trains_only_on_it(tiny_data, tm
     tr = Trainer(_cfg(root, tmp_path / "a", **over), target, RegeneratedData(root))
     ids = [s["id"] for s in tr.train_samples]
     assert len(ids) == 3 and set(ids) <= {s["id"] for s in full.train_samples}
-    assert ids == [s["id"] for s in Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root)).train_samples]
+    again = Trainer(_cfg(root, tmp_path / "b", **over), target, RegeneratedData(root))
+    assert ids == [s["id"] for s in again.train_samples]
     other = Trainer(_cfg(root, tmp_path / "c", **{**over, "optim.seed": 2}), target, RegeneratedData(root))
     assert [s["id"] for s in other.train_samples] != ids
     seen, read = set(), tr.features

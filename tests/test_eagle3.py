@@ -20,6 +20,7 @@ from dcoco.drafters.eagle3 import (
     default_eagle_layer_ids,
     save_eagle3,
 )
+from dcoco.drafters.lookup_first import LookupFirst
 from dcoco.engine import SpeculativeEngine
 from dcoco.families import load_trained
 from dcoco.speculative import SpeculativeConfig, load_drafter
@@ -231,6 +232,13 @@ def test_greedy_equality_with_vanilla():
     vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
     outs, st = SpeculativeEngine(target, Eagle3Drafter(eagle_model(target, seed=5), target), 4).generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and st.drafted > 0
+    # with prompt lookup first: the steps it drafts still feed the drafter's state (absorb), whose
+    # own check (one committed feature per token) would fail on a gap
+    first = LookupFirst(Eagle3Drafter(eagle_model(target, seed=5), target), min_match=2)
+    repeated = [p + p for p in prompts]
+    vanilla, _ = SpeculativeEngine(target).generate(repeated, sp)
+    outs, _ = SpeculativeEngine(target, first, 4).generate(repeated, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla] and first.looked_up and first.drafted
 
 
 V = 5

@@ -44,11 +44,12 @@ class LLM:
         )
         self.max_batch_size = max_batch_size
         self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        self._drafters: dict[tuple, object] = {}
+        self._drafters: dict[str, object] = {}
         self.last_stats: Optional[SpecStats] = None
 
     def _drafter(self, cfg: SpeculativeConfig):
-        key = (cfg.method, cfg.model, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        # one drafter per distinct set of drafter options (the draft length is the engine's)
+        key = cfg.model_dump_json(exclude={"num_speculative_tokens"})
         if key not in self._drafters:
             self._drafters[key] = load_drafter(cfg, self.target)
         return self._drafters[key]

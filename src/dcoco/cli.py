@@ -47,6 +47,13 @@ def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
     p.add_argument("--method", default=default_method, help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped one)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per pass")
+    p.add_argument(
+        "--lookup-first",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trained drafters: where the last N+ tokens occurred earlier, draft by prompt lookup instead",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -364,7 +371,12 @@ def _setup(args) -> None:
 
 
 def _spec_config(args) -> dict:
-    return {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
+    return {
+        "method": args.method,
+        "model": args.drafter,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "lookup_first": args.lookup_first,
+    }
 
 
 def cmd_generate(args) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Literal, Optional
 
@@ -9,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from .drafters.base import Drafter
+from .drafters.lookup_first import LookupFirst
 from .errors import ConfigError, UnknownMethodError
 from .families import FAMILIES, METHODS, get_family, load_drafter_model, shipped_checkpoint
 
@@ -25,6 +27,9 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: Optional[int] = None
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # trained drafters: where the sequence's last N+ tokens occurred earlier in it, draft what followed
+    # them (prompt lookup) instead of running the model for that request (None: the model always drafts)
+    lookup_first: Optional[int] = None
     # DCOCO inference options (ablations; None keeps the checkpoint's setting)
     dcoco_top_k: Optional[int] = None  # shortlist size K
     # T > 0: one-hot corrected draft (a), sampled walk over the shortlist (b), or over the draft vocabulary (extension)
@@ -43,6 +48,13 @@ class SpeculativeConfig(BaseModel):
     def _k(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and not 0 <= v <= 64:
             raise ValueError(f"num_speculative_tokens must be in [0, 64], got {v}")
+        return v
+
+    @field_validator("lookup_first")
+    @classmethod
+    def _lookup_first(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and not 1 <= v <= 16:
+            raise ValueError(f"lookup_first must be in [1, 16], got {v}")
         return v
 
     @field_validator("dcoco_top_k")
@@ -85,11 +97,15 @@ def split_label(label: str) -> tuple[str, str]:
 
 
 def variant_options(label: str) -> dict:
-    """SpeculativeConfig options a variant label stands for (its family's `variant_options`). Any
-    other tag only names a checkpoint given explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
+    """SpeculativeConfig options a variant label stands for: `lookupN` (`lookup_first=N`) for any
+    trained family, else its family's `variant_options`. Any other tag only names a checkpoint given
+    explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
     base, tag = split_label(label)
     if base not in FAMILIES or not tag:
         return {}
+    m = re.fullmatch(r"lookup(\d+)", tag)
+    if m and FAMILIES[base].trained:
+        return {"lookup_first": int(m[1])}
     return FAMILIES[base].variant_options(tag)
 
 
@@ -123,12 +139,14 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
         raise ConfigError(f"option(s) {', '.join(foreign)} apply to method {owner}, not {cfg.method}")
     family = get_family(cfg.method)
     if not family.trained:
+        if cfg.lookup_first is not None:
+            raise ConfigError(f"lookup_first puts prompt lookup before a trained drafter, not before {cfg.method}")
         return family.make_drafter(cfg, target)
     model = load_drafter_model(cfg.method, cfg.model, dtype=target.dtype).to(target.device)
     drafter = family.drafter(model, target)
     drafter.check_target(target)
     family.configure(drafter, cfg)
-    return drafter
+    return drafter if cfg.lookup_first is None else LookupFirst(drafter, cfg.lookup_first)
 
 
 __all__ = [

@@ -63,6 +63,10 @@ class Drafter(ABC):
     def propose(self, inp: DraftInput) -> DraftOutput:
         """Propose up to `inp.num_tokens` tokens per request."""
 
+    def absorb(self, inp: DraftInput) -> None:  # noqa: B027 (optional hook: stateless drafters keep nothing)
+        """Take in `inp`'s new features without drafting: another drafter drafts this step for these
+        requests (`LookupFirst`), and this one must still see the whole context when it drafts next."""
+
     def release(self, request_id: int) -> None:  # noqa: B027 (optional hook: stateless drafters keep nothing)
         """The request finished or was cancelled: drop any state kept for it."""
 

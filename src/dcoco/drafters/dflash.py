@@ -349,6 +349,9 @@ class BlockDrafter(Drafter):
         """Where every tensor of a drafting step is made: the model's (= the target's) device."""
         return self.model.fc.weight.device
 
+    def absorb(self, inp: DraftInput) -> None:
+        self._ingest(inp.request_ids, inp.new_features)
+
     def release(self, request_id: int) -> None:
         self.ctx.pop(request_id, None)
         self.ctx_len.pop(request_id, None)

@@ -408,6 +408,9 @@ class Eagle3Drafter(Drafter):
         """Where every tensor of a drafting step is made: the model's (= the target's) device."""
         return self.model.fc.weight.device
 
+    def absorb(self, inp: DraftInput) -> None:
+        self._ingest(inp)
+
     def release(self, request_id: int) -> None:
         self.state.pop(request_id, None)
 
