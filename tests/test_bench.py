@@ -444,13 +444,17 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
         tiny_chat_dir,
         out,
         "humaneval",
-        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2",
+        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2,dcoco/lookup1",
         drafters=f"dcoco={ck},dflash={ck}",
         concurrency="1",
     )
     assert main(args) == 0, capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())
-    assert {r["method"] for r in rows} == {"vanilla", "dflash", "dcoco", "dcoco/nocorrect", "dcoco/k2"}
+    assert {r["method"] for r in rows} == {"vanilla", "dflash", "dcoco", "dcoco/nocorrect", "dcoco/k2", "dcoco/lookup1"}
+    # prompt lookup first: its share of the drafting steps, on its rows only
+    assert all(("lookup_share" in r) == (r["method"] == "dcoco/lookup1") for r in rows)
+    assert all(0 <= r["lookup_share"] <= 1 for r in rows if "lookup_share" in r)
+    assert "## Prompt lookup first: the drafting steps it drafted" in (out / "results.md").read_text()
     for r in rows:
         if r["temperature"] == 0:
             assert r["greedy_match_rate"] == 1.0, r

@@ -316,6 +316,28 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ]
         L += _table(["method", "T", "concurrency", "mean", "max", "over dflash"], body)
 
+    looked = [r for r in rows if r.get("lookup_share") is not None]
+    if looked:
+        shares: dict[tuple, list[float]] = {}
+        for r in looked:
+            shares.setdefault((r["method"], r["dataset"], float(r["temperature"])), []).append(r["lookup_share"])
+        L += [
+            "## Prompt lookup first: the drafting steps it drafted",
+            "",
+            "Share of the requests' drafting steps that prompt lookup drafted (the rest: the trained drafter), "
+            "mean over seeds and concurrencies.",
+            "",
+        ]
+        L += _table(
+            ["method", "T"] + datasets,
+            [
+                [m, f"{t:g}"] + [_fmt(_mean(shares.get((m, ds, t), []))) for ds in datasets]
+                for m in methods
+                for t in temps
+                if any((m, ds, t) in shares for ds in datasets)
+            ],
+        )
+
     L += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS] + [""]
     return "\n".join(L)
 

@@ -68,7 +68,9 @@ ROW_KEYS = (
     "threads",
     "git_commit",
 )
-OPTIONAL_ROW_KEYS = ("select_share",)  # block drafters: share of the wall time spent choosing draft tokens
+# block drafters: share of the wall time spent choosing draft tokens; prompt lookup first: share of the
+# drafting steps prompt lookup drafted
+OPTIONAL_ROW_KEYS = ("select_share", "lookup_share")
 KEY_FIELDS = ("method", "dataset", "temperature", "seed", "concurrency")
 WARMUP_TOKENS = 8
 
@@ -488,6 +490,7 @@ class BenchRunner:
                 if inner is not None:
                     engine.on_pass.append(lambda _r, _d, acc: inner.update(acc + 1))
                 select_s = getattr(engine.drafter, "select_seconds", None)
+                split = _lookup_split(engine.drafter)
                 outs, stats = engine.generate(ids, self._params(spec, len(ids)), progress=False)
                 token_ids, wall, tokens = [o.token_ids for o in outs], stats.wall_s, stats.output_tokens
                 texts = [o.text for o in outs]
@@ -500,6 +503,9 @@ class BenchRunner:
                 )
                 if select_s is not None and wall > 0:  # block drafters: share of the wall time choosing tokens
                     row["select_share"] = round((engine.drafter.select_seconds - select_s) / wall, 5)
+                if split is not None:  # prompt lookup first: share of the drafting steps it drafted
+                    looked, modelled = (b - a for a, b in zip(split, _lookup_split(engine.drafter)))
+                    row["lookup_share"] = round(looked / max(1, looked + modelled), 4)
         finally:
             if inner is not None:
                 inner.close()
@@ -632,3 +638,8 @@ class BenchRunner:
 def run_bench(cfg: BenchConfig, target=None) -> int:
     """Run a benchmark; returns the exit status (0, or 130 when interrupted)."""
     return BenchRunner(cfg, target=target).run()
+
+
+def _lookup_split(drafter) -> tuple[int, int] | None:
+    """(requests drafted by prompt lookup, by the model) so far, for a `LookupFirst` drafter."""
+    return (drafter.looked_up, drafter.drafted) if hasattr(drafter, "looked_up") else None
