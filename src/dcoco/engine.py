@@ -68,7 +68,7 @@ class SpeculativeEngine:
     others wait.
 
     `draft_policy(batch_size, default_k) -> k`, when given, picks the draft block length of each
-    pass from the current batch size (load-aware drafting, e.g. `dcoco.serve.LoadAwarePolicy`);
+    pass from the current batch size (load-aware drafting, e.g. `dcoco.draft_policy.LoadAwarePolicy`);
     0 means a plain decoding pass. Only the block length changes, so output stays lossless.
 
     `logprobs=True` records, for every output token, log p(token) under the request's own sampling

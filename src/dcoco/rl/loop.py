@@ -35,11 +35,11 @@ from typing import Optional
 
 import torch
 
+from ..draft_policy import LoadAwarePolicy
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..metrics import SpecStats
 from ..sampling import SamplingParams
-from ..serve.policy import LoadAwarePolicy
 from ..target import Target, resolve_dtype
 from ..train.runstate import append_log, save_state, truncate_log
 from .config import RLConfig

@@ -1,6 +1,7 @@
 """Serving: the continuous-batching `SpeculativeEngine` behind an OpenAI-compatible HTTP server.
 
-- `policy.LoadAwarePolicy`: load-aware drafting (shorter draft blocks as the batch grows).
+- `LoadAwarePolicy` (from `dcoco.draft_policy`, the engine's): load-aware drafting (shorter draft blocks
+  as the batch grows), re-exported for the server and its users.
 - `async_engine.AsyncEngine`: the background engine loop (queue, cancellation, fault isolation, drain).
 - `app.create_app`: the FastAPI app (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
   `/health`, `/metrics`).
@@ -11,6 +12,6 @@ FastAPI and uvicorn are imported only by `app` / `server`, so `from dcoco.serve 
 stays light.
 """
 
-from .policy import LoadAwarePolicy
+from ..draft_policy import LoadAwarePolicy
 
 __all__ = ["LoadAwarePolicy"]

@@ -244,11 +244,11 @@ def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
 def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict], dict]:
     import torch
 
+    from ..draft_policy import LoadAwarePolicy
     from ..engine import SpeculativeEngine
     from ..sampling import SamplingParams
     from ..speculative import SpeculativeConfig, load_drafter
     from ..target import Target
-    from .policy import LoadAwarePolicy
 
     if args.threads:
         torch.set_num_threads(args.threads)

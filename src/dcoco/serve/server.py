@@ -10,12 +10,12 @@ import threading
 import time
 from typing import Optional
 
+from ..draft_policy import LoadAwarePolicy
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..families import MODEL_FREE
 from ..speculative import SpeculativeConfig, load_drafter
 from ..target import Target
-from .policy import LoadAwarePolicy
 
 
 def build_engine(
