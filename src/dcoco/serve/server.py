@@ -25,6 +25,7 @@ def build_engine(
     method: Optional[str] = None,
     drafter: Optional[str] = None,
     num_speculative_tokens: Optional[int] = None,
+    lookup_first: Optional[int] = None,
     max_batch_size: int = 32,
     load_aware: bool = False,
     draft_token_budget: int = 32,
@@ -34,7 +35,12 @@ def build_engine(
 ) -> SpeculativeEngine:
     """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
     cfg = SpeculativeConfig.parse(
-        {"method": method or MODEL_FREE.name, "model": drafter, "num_speculative_tokens": num_speculative_tokens}
+        {
+            "method": method or MODEL_FREE.name,
+            "model": drafter,
+            "num_speculative_tokens": num_speculative_tokens,
+            "lookup_first": lookup_first,
+        }
     )
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {max_batch_size}")
@@ -121,6 +127,7 @@ def run_server(args) -> int:
         method=args.method,
         drafter=args.drafter,
         num_speculative_tokens=args.num_speculative_tokens,
+        lookup_first=args.lookup_first,
         max_batch_size=args.max_batch_size,
         load_aware=args.load_aware,
         draft_token_budget=args.draft_token_budget,
