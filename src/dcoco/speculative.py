@@ -7,7 +7,7 @@ import warnings
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .drafters.base import Drafter
 from .drafters.lookup_first import LookupFirst
@@ -29,7 +29,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int = 1
     # trained drafters: where the sequence's last N+ tokens occurred earlier in it, draft what followed
     # them (prompt lookup) instead of running the model for that request (None: the model always drafts)
-    lookup_first: Optional[int] = None
+    lookup_first: Optional[int] = Field(None, ge=1, le=16)
     # DCOCO inference options (ablations; None keeps the checkpoint's setting)
     dcoco_top_k: Optional[int] = None  # shortlist size K
     # T > 0: one-hot corrected draft (a), sampled walk over the shortlist (b), or over the draft vocabulary (extension)
@@ -48,13 +48,6 @@ class SpeculativeConfig(BaseModel):
     def _k(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and not 0 <= v <= 64:
             raise ValueError(f"num_speculative_tokens must be in [0, 64], got {v}")
-        return v
-
-    @field_validator("lookup_first")
-    @classmethod
-    def _lookup_first(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and not 1 <= v <= 16:
-            raise ValueError(f"lookup_first must be in [1, 16], got {v}")
         return v
 
     @field_validator("dcoco_top_k")
