@@ -51,6 +51,8 @@ def test_model_without_tokenizer_needs_token_ids(capsys, tmp_path, tiny_dir):
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "max_tokens"),
         (["--prompt", "hi", "--num-speculative-tokens", "-3", "--method", "ngram"], "num_speculative_tokens"),
+        (["--prompt", "hi", "--method", "dflash", "--lookup-tokens", "8"], "set lookup_first too"),
+        (["--prompt", "hi", "--method", "dflash", "--lookup-first", "2", "--lookup-tokens", "0"], "lookup_num_tokens"),
         (["--prompt", "hi", "--model", "/nonexistent/model"], "not found"),
         (["--prompt-file", "/nonexistent/prompts.txt"], "not found"),
         ([], "no prompt"),

@@ -52,6 +52,32 @@ def test_the_model_drafts_from_the_whole_context_after_lookup_steps():
     assert torch.equal(outs[1][1].tokens, outs[1][0]) and first.drafted == 1
 
 
+def test_lookup_drafts_run_longer_than_the_model_block_and_stay_lossless():
+    """`lookup_num_tokens` past the model's block: lookup rows draft that many, model rows their block."""
+    target, model = tiny_pair()  # block 6: the model drafts at most 5
+    H = target.hidden_size
+    first = LookupFirst(BlockDrafter(model, target), min_match=2, num_tokens=8)
+    assert first.default_num_tokens == 8
+    copy = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 3, 1]  # "3 1" occurred before: lookup drafts the next 8
+    fresh = [10, 11, 12, 13, 14, 15]
+    sp, gen = [SamplingParams()] * 2, [torch.Generator(), torch.Generator()]
+    feats = [torch.randn(len(copy) - 1, 2 * H), torch.randn(len(fresh) - 1, 2 * H)]
+    out = first.propose(DraftInput([0, 1], [copy, fresh], feats, 8, sp, gen))
+    plain = BlockDrafter(model, target).propose(DraftInput([1], [fresh], feats[1:], 5, sp[:1], gen[:1]))
+    assert out.tokens[0].tolist() == [4, 1, 5, 9, 2, 6, 5, 3] and out.lengths.tolist() == [8, 5]
+    assert torch.equal(out.tokens[1, :5], plain.tokens[0])
+
+    prompts = [p + p[: len(p) // 2] for p in random_prompts(4, target.vocab_size, seed=3)]
+    sp = SamplingParams(max_tokens=30)
+    vanilla, _ = SpeculativeEngine(target).generate(prompts, sp)
+    engine = SpeculativeEngine(target, LookupFirst(BlockDrafter(model, target), 2, num_tokens=8))
+    drafted = []
+    engine.on_pass.append(lambda r, d, a: drafted.append(d))
+    outs, _ = engine.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in vanilla]
+    assert engine.num_speculative_tokens == 8 and max(drafted) > 5
+
+
 def test_sampling_stays_lossless_with_lookup_and_model_rows_in_one_batch():
     V = 5
     target = Target(tiny_model("llama", seed=21, vocab_size=V, initializer_range=0.08))
@@ -64,7 +90,10 @@ def test_sampling_stays_lossless_with_lookup_and_model_rows_in_one_batch():
 
 def test_config_and_bench_label():
     assert variant_options("dcoco/lookup3") == {"lookup_first": 3}
+    assert variant_options("dcoco/lookup2k8") == {"lookup_first": 2, "lookup_num_tokens": 8}
     assert variant_options("ngram/lookup3") == {}
+    with pytest.raises(ConfigError, match="set lookup_first too"):
+        SpeculativeConfig.parse({"method": "dflash", "lookup_num_tokens": 8})
     with pytest.raises(ConfigError, match="lookup_first"):
         SpeculativeConfig.parse({"method": "dflash", "lookup_first": 0})
     with pytest.raises(ConfigError, match="trained drafter"):

@@ -30,6 +30,7 @@ from dcoco.serve.server import ServerThread, build_engine
 from dcoco.target import Target
 
 K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K}
 CTX = 1024
 CHATS = ["Write a haiku about rain.", "List three colors.", "What is 2 + 2?", "Say hello in French."]
 TEXTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
@@ -70,13 +71,13 @@ def offline(tiny_dir):
         model=tiny_dir,
         dtype="float32",
         max_batch_size=8,
-        speculative_config={"method": "ngram", "num_speculative_tokens": K},
+        speculative_config=NGRAM,
     )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    engine = build_engine(model=tiny_dir, dtype="float32", method="ngram", num_speculative_tokens=K, max_batch_size=8)
+    engine = build_engine(model=tiny_dir, dtype="float32", speculative_config=NGRAM, max_batch_size=8)
     with ServerThread(create_app(engine, "tiny", max_queue=64)) as srv:
         yield srv
 
@@ -341,7 +342,7 @@ def test_metrics_consistent_with_responses(server):
 
 
 def test_queue_full_gives_503(tiny_dir):
-    engine = build_engine(model=tiny_dir, dtype="float32", method="ngram", num_speculative_tokens=K, max_batch_size=1)
+    engine = build_engine(model=tiny_dir, dtype="float32", speculative_config=NGRAM, max_batch_size=1)
     with ServerThread(create_app(engine, "tiny", max_queue=1)) as srv:
         long = {"model": "tiny", "prompt": "a", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
         box = {}
@@ -370,7 +371,7 @@ def test_queue_full_gives_503(tiny_dir):
 
 
 def test_tokens_in_flight_bound(tiny_dir):
-    engine = build_engine(model=tiny_dir, dtype="float32", method="ngram", num_speculative_tokens=K, max_batch_size=8)
+    engine = build_engine(model=tiny_dir, dtype="float32", speculative_config=NGRAM, max_batch_size=8)
     with ServerThread(create_app(engine, "tiny", max_tokens_in_flight=300)) as srv:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
         res = []
@@ -434,7 +435,7 @@ def test_one_failing_request_does_not_affect_others(tiny_dir, offline):
 
 
 def test_shutdown_drains_in_flight_requests(tiny_dir):
-    engine = build_engine(model=tiny_dir, dtype="float32", method="ngram", num_speculative_tokens=K)
+    engine = build_engine(model=tiny_dir, dtype="float32", speculative_config=NGRAM)
     srv = ServerThread(create_app(engine, "tiny")).start()
     body = {
         "model": "tiny",

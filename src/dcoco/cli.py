@@ -54,6 +54,13 @@ def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
         metavar="N",
         help="trained drafters: where the last N+ tokens occurred earlier, draft by prompt lookup instead",
     )
+    p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --lookup-first: tokens a lookup draft proposes (default: the drafter's block)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -370,19 +377,10 @@ def _setup(args) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _spec_config(args) -> dict:
-    return {
-        "method": args.method,
-        "model": args.drafter,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "lookup_first": args.lookup_first,
-    }
-
-
 def cmd_generate(args) -> int:
     from .api import LLM
     from .sampling import SamplingParams
-    from .speculative import SpeculativeConfig
+    from .speculative import SpeculativeConfig, config_of_args
 
     prompts = _read_prompts(args)
     sp = SamplingParams.make(
@@ -393,7 +391,7 @@ def cmd_generate(args) -> int:
         max_tokens=args.max_new_tokens,
         stop=args.stop,
     )
-    cfg = SpeculativeConfig.parse(_spec_config(args))
+    cfg = SpeculativeConfig.parse(config_of_args(args))
     _setup(args)
     llm = LLM(
         model=args.model,
@@ -440,6 +438,7 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from .api import LLM
     from .sampling import SamplingParams
+    from .speculative import config_of_args
 
     _setup(args)
     prompt = args.prompt or DEMO_PROMPT
@@ -451,7 +450,7 @@ def cmd_demo(args) -> int:
     )
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization, exact=args.exact)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    spec = _spec_config(args)
+    spec = config_of_args(args)
     llm.generate("Hello", SamplingParams(max_tokens=4))  # warm-up, untimed
     van = llm.generate(prompt, sp)[0]
     vs = llm.last_stats

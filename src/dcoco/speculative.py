@@ -7,7 +7,7 @@ import warnings
 from typing import Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .drafters.base import Drafter
 from .drafters.lookup_first import LookupFirst
@@ -30,6 +30,8 @@ class SpeculativeConfig(BaseModel):
     # trained drafters: where the sequence's last N+ tokens occurred earlier in it, draft what followed
     # them (prompt lookup) instead of running the model for that request (None: the model always drafts)
     lookup_first: Optional[int] = Field(None, ge=1, le=16)
+    # tokens a lookup draft proposes (None: as many as the trained drafter's block)
+    lookup_num_tokens: Optional[int] = Field(None, ge=1, le=64)
     # DCOCO inference options (ablations; None keeps the checkpoint's setting)
     dcoco_top_k: Optional[int] = None  # shortlist size K
     # T > 0: one-hot corrected draft (a), sampled walk over the shortlist (b), or over the draft vocabulary (extension)
@@ -57,6 +59,12 @@ class SpeculativeConfig(BaseModel):
             raise ValueError(f"dcoco_top_k must be in [1, 256], got {v}")
         return v
 
+    @model_validator(mode="after")
+    def _lookup(self) -> "SpeculativeConfig":
+        if self.lookup_num_tokens is not None and self.lookup_first is None:
+            raise ValueError("lookup_num_tokens is the length of prompt lookup first's drafts: set lookup_first too")
+        return self
+
     @classmethod
     def parse(cls, cfg: "SpeculativeConfig | dict | None") -> "SpeculativeConfig":
         if cfg is None:
@@ -69,8 +77,9 @@ class SpeculativeConfig(BaseModel):
             return cls(**cfg)
         except ValidationError as e:
             err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "speculative_config"
-            raise ConfigError(f"invalid speculative_config.{loc}: {err['msg']}") from None
+            where = "".join(f".{x}" for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"invalid speculative_config{where}: {msg}") from None
 
     def foreign_options(self) -> dict[str, str]:
         """Options set here that belong to another family than `method`: {option: its family}."""
@@ -83,6 +92,18 @@ class SpeculativeConfig(BaseModel):
         }
 
 
+def config_of_args(args) -> dict:
+    """The speculative_config the command line names (`--method`, `--drafter`,
+    `--num-speculative-tokens`, `--lookup-first`, `--lookup-tokens`), for `generate`, `demo` and `serve`."""
+    return {
+        "method": args.method,
+        "model": args.drafter,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "lookup_first": args.lookup_first,
+        "lookup_num_tokens": args.lookup_tokens,
+    }
+
+
 def split_label(label: str) -> tuple[str, str]:
     """`METHOD/TAG` -> (METHOD, TAG): a labelled variant of a method (bench ablations); TAG may be ''."""
     base, _, tag = label.partition("/")
@@ -90,15 +111,16 @@ def split_label(label: str) -> tuple[str, str]:
 
 
 def variant_options(label: str) -> dict:
-    """SpeculativeConfig options a variant label stands for: `lookupN` (`lookup_first=N`) for any
-    trained family, else its family's `variant_options`. Any other tag only names a checkpoint given
-    explicitly (e.g. `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
+    """SpeculativeConfig options a variant label stands for: `lookupN` (`lookup_first=N`) and
+    `lookupNkM` (and `lookup_num_tokens=M`) for any trained family, else its family's
+    `variant_options`. Any other tag only names a checkpoint given explicitly (e.g.
+    `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
     base, tag = split_label(label)
     if base not in FAMILIES or not tag:
         return {}
-    m = re.fullmatch(r"lookup(\d+)", tag)
+    m = re.fullmatch(r"lookup(\d+)(?:k(\d+))?", tag)
     if m and FAMILIES[base].trained:
-        return {"lookup_first": int(m[1])}
+        return {"lookup_first": int(m[1])} | ({"lookup_num_tokens": int(m[2])} if m[2] else {})
     return FAMILIES[base].variant_options(tag)
 
 
@@ -139,13 +161,14 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
     drafter = family.drafter(model, target)
     drafter.check_target(target)
     family.configure(drafter, cfg)
-    return drafter if cfg.lookup_first is None else LookupFirst(drafter, cfg.lookup_first)
+    return drafter if cfg.lookup_first is None else LookupFirst(drafter, cfg.lookup_first, cfg.lookup_num_tokens)
 
 
 __all__ = [
     "METHODS",
     "SpeculativeConfig",
     "available_methods",
+    "config_of_args",
     "load_drafter",
     "slow_bf16_verification",
     "split_label",

@@ -18,13 +18,13 @@ from .base import Drafter, DraftInput, DraftOutput
 from .ngram import lookup
 
 
-def rows_of(inp: DraftInput, rows: list[int]) -> DraftInput:
-    """The part of a drafting step that concerns `rows` of its batch."""
+def rows_of(inp: DraftInput, rows: list[int], num_tokens: int | None = None) -> DraftInput:
+    """The part of a drafting step that concerns `rows` of its batch (drafting `num_tokens`, if given)."""
     return DraftInput(
         request_ids=[inp.request_ids[b] for b in rows],
         token_ids=[inp.token_ids[b] for b in rows],
         new_features=[inp.new_features[b] for b in rows],
-        num_tokens=inp.num_tokens,
+        num_tokens=inp.num_tokens if num_tokens is None else num_tokens,
         params=[inp.params[b] for b in rows],
         generators=[inp.generators[b] for b in rows],
         device=inp.device,
@@ -32,15 +32,22 @@ def rows_of(inp: DraftInput, rows: list[int]) -> DraftInput:
 
 
 class LookupFirst(Drafter):
-    """`model` drafts where prompt lookup finds no earlier occurrence of the last `min_match` tokens."""
+    """`model` drafts where prompt lookup finds no earlier occurrence of the last `min_match` tokens.
 
-    def __init__(self, model: Drafter, min_match: int, max_match: int = 3):
+    A lookup draft is `num_tokens` long (None: as long as the model's); a pass then verifies up to the
+    longer of the two, and the model still drafts its own length.
+    """
+
+    def __init__(self, model: Drafter, min_match: int, num_tokens: int | None = None, max_match: int = 3):
         if not 1 <= min_match:
             raise ValueError(f"lookup_first must be >= 1, got {min_match}")
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"lookup_num_tokens must be >= 1, got {num_tokens}")
         self.model, self.min_match, self.max_match = model, min_match, max(min_match, max_match)
         self.method = f"{model.method}+lookup"
         self.tap_layers = model.tap_layers
-        self.default_num_tokens = model.default_num_tokens
+        self.lookup_tokens = model.default_num_tokens if num_tokens is None else int(num_tokens)
+        self.default_num_tokens = max(model.default_num_tokens, self.lookup_tokens)
         self.looked_up = self.drafted = 0  # requests drafted by lookup and by the model, so far
 
     @property
@@ -58,8 +65,9 @@ class LookupFirst(Drafter):
 
     def propose(self, inp: DraftInput) -> DraftOutput:
         k = inp.num_tokens
+        k_lookup, k_model = min(k, self.lookup_tokens), min(k, self.model.default_num_tokens)
         found = [
-            lookup(np.asarray(ids, dtype=np.int64), k, self.max_match, self.min_match) if k > 0 else []
+            lookup(np.asarray(ids, dtype=np.int64), k_lookup, self.max_match, self.min_match) if k > 0 else []
             for ids in inp.token_ids
         ]
         hit = [b for b, f in enumerate(found) if f]
@@ -70,7 +78,8 @@ class LookupFirst(Drafter):
             self.model.absorb(rows_of(inp, hit))
         if not miss:
             return _stack(found, None, miss, inp.device)
-        drafted = self.model.propose(inp if not hit else rows_of(inp, miss))
+        whole = not hit and k_model == k
+        drafted = self.model.propose(inp if whole else rows_of(inp, miss, k_model))
         return _stack(found, drafted, miss, inp.device)
 
 

@@ -14,7 +14,7 @@ from ..draft_policy import LoadAwarePolicy
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..families import MODEL_FREE
-from ..speculative import SpeculativeConfig, load_drafter
+from ..speculative import SpeculativeConfig, config_of_args, load_drafter
 from ..target import Target
 
 
@@ -22,10 +22,7 @@ def build_engine(
     model: Optional[str] = None,
     dtype: str = "bfloat16",
     device: str = "cpu",
-    method: Optional[str] = None,
-    drafter: Optional[str] = None,
-    num_speculative_tokens: Optional[int] = None,
-    lookup_first: Optional[int] = None,
+    speculative_config: "SpeculativeConfig | dict | None" = None,
     max_batch_size: int = 32,
     load_aware: bool = False,
     draft_token_budget: int = 32,
@@ -33,15 +30,9 @@ def build_engine(
     quantization: str = "none",
     exact: bool = False,
 ) -> SpeculativeEngine:
-    """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`)."""
-    cfg = SpeculativeConfig.parse(
-        {
-            "method": method or MODEL_FREE.name,
-            "model": drafter,
-            "num_speculative_tokens": num_speculative_tokens,
-            "lookup_first": lookup_first,
-        }
-    )
+    """A `SpeculativeEngine` for serving (validated the same way as `dcoco generate`); the speculative
+    config defaults to the model-free method."""
+    cfg = SpeculativeConfig.parse(speculative_config or {"method": MODEL_FREE.name})
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     if load_aware and draft_token_budget < 1:
@@ -124,10 +115,7 @@ def run_server(args) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        method=args.method,
-        drafter=args.drafter,
-        num_speculative_tokens=args.num_speculative_tokens,
-        lookup_first=args.lookup_first,
+        speculative_config=config_of_args(args),
         max_batch_size=args.max_batch_size,
         load_aware=args.load_aware,
         draft_token_budget=args.draft_token_budget,
