@@ -10,7 +10,7 @@ from conftest import ModelDrafter, engine_lossless_pvalue, random_prompts, tiny_
 from dcoco import ConfigError, SamplingParams
 from dcoco.drafters.base import DraftInput
 from dcoco.drafters.dflash import BlockDrafter, DFlashConfig, DFlashModel
-from dcoco.drafters.lookup_first import LookupFirst
+from dcoco.drafters.lookup_first import LOOKUP_TOKENS, LookupFirst
 from dcoco.engine import SpeculativeEngine
 from dcoco.speculative import SpeculativeConfig, load_drafter, variant_options
 from dcoco.target import Target
@@ -56,6 +56,7 @@ def test_lookup_drafts_run_longer_than_the_model_block_and_stay_lossless():
     """`lookup_num_tokens` past the model's block: lookup rows draft that many, model rows their block."""
     target, model = tiny_pair()  # block 6: the model drafts at most 5
     H = target.hidden_size
+    assert LookupFirst(BlockDrafter(model, target), min_match=2).default_num_tokens == LOOKUP_TOKENS == 6
     first = LookupFirst(BlockDrafter(model, target), min_match=2, num_tokens=8)
     assert first.default_num_tokens == 8
     copy = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 3, 1]  # "3 1" occurred before: lookup drafts the next 8

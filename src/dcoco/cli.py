@@ -59,7 +59,7 @@ def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="with --lookup-first: tokens a lookup draft proposes (default: the drafter's block)",
+        help="with --lookup-first: tokens a lookup draft proposes (default: 6, or the drafter's block if longer)",
     )
 
 

@@ -30,7 +30,7 @@ class SpeculativeConfig(BaseModel):
     # trained drafters: where the sequence's last N+ tokens occurred earlier in it, draft what followed
     # them (prompt lookup) instead of running the model for that request (None: the model always drafts)
     lookup_first: Optional[int] = Field(None, ge=1, le=16)
-    # tokens a lookup draft proposes (None: as many as the trained drafter's block)
+    # tokens a lookup draft proposes (None: 6, or the trained drafter's block if longer)
     lookup_num_tokens: Optional[int] = Field(None, ge=1, le=64)
     # DCOCO inference options (ablations; None keeps the checkpoint's setting)
     dcoco_top_k: Optional[int] = None  # shortlist size K

@@ -31,11 +31,16 @@ def rows_of(inp: DraftInput, rows: list[int], num_tokens: int | None = None) -> 
     )
 
 
+#: a lookup draft's length unless set (or the model's block, if longer): on held-out prompts at T=0
+#: 6 beat 4 (the shipped drafters' block), 8 and 12 (docs/experiments/2026-12-05-prompt-lookup-first.md)
+LOOKUP_TOKENS = 6
+
+
 class LookupFirst(Drafter):
     """`model` drafts where prompt lookup finds no earlier occurrence of the last `min_match` tokens.
 
-    A lookup draft is `num_tokens` long (None: as long as the model's); a pass then verifies up to the
-    longer of the two, and the model still drafts its own length.
+    A lookup draft is `num_tokens` long (None: `LOOKUP_TOKENS` or the model's block, the longer); a
+    pass then verifies up to the longer of the two, and the model still drafts its own length.
     """
 
     def __init__(self, model: Drafter, min_match: int, num_tokens: int | None = None, max_match: int = 3):
@@ -46,7 +51,7 @@ class LookupFirst(Drafter):
         self.model, self.min_match, self.max_match = model, min_match, max(min_match, max_match)
         self.method = f"{model.method}+lookup"
         self.tap_layers = model.tap_layers
-        self.lookup_tokens = model.default_num_tokens if num_tokens is None else int(num_tokens)
+        self.lookup_tokens = max(LOOKUP_TOKENS, model.default_num_tokens) if num_tokens is None else int(num_tokens)
         self.default_num_tokens = max(model.default_num_tokens, self.lookup_tokens)
         self.looked_up = self.drafted = 0  # requests drafted by lookup and by the model, so far
 
