@@ -4,10 +4,11 @@
 # draft block and with load-aware drafting, and through the offline engine; then one table and one
 # plot of all of them (OUT/sweep.md, OUT/sweep.png).
 #
-#   scripts/serve_sweep.sh OUT [METHOD ...]        (default METHODs: dflash dcoco; shipped drafters)
+#   scripts/serve_sweep.sh OUT [METHOD[@DRAFTER_DIR] ...]   (default: dflash dcoco, the shipped drafters)
 #
 # Env: N requests per level (16), TOKENS max_tokens (48), CONC levels (1,4,8,16,32), THREADS torch
-# threads of the server and the offline engine (1), PORT (8123), DATASET (mtbench).
+# threads of the server and the offline engine (1), PORT (8123), DATASET (mtbench), SPEC_FLAGS
+# drafting flags for every drafted run (e.g. "--lookup-first 2").
 set -euo pipefail
 OUT=${1:?usage: scripts/serve_sweep.sh OUT [METHOD ...]}
 shift
@@ -43,12 +44,16 @@ http_sweep() {  # name method [serve flags...]
 http_sweep vanilla vanilla
 runs=("$OUT/vanilla")
 variants=vanilla,fixed,load-aware  # offline vanilla once, with the first method
-for m in "${METHODS[@]}"; do
-  http_sweep "$m" "$m"
-  http_sweep "$m-load-aware" "$m" --load-aware
+read -r -a spec <<<"${SPEC_FLAGS:-}"
+for arg in "${METHODS[@]}"; do
+  m=${arg%%@*}
+  flags=("${spec[@]}")
+  [ "$arg" = "$m" ] || flags+=(--drafter "${arg#*@}")
+  http_sweep "$m" "$m" "${flags[@]}"
+  http_sweep "$m-load-aware" "$m" --load-aware "${flags[@]}"
   echo "== $m offline: $variants"
   $PYTHON -m dcoco.serve.loadgen --offline --method "$m" --offline-variants "$variants" "${load[@]}" \
-    --threads "$THREADS" --label "$m" --out "$OUT/$m-offline"
+    --threads "$THREADS" --label "$m" --out "$OUT/$m-offline" "${flags[@]}"
   runs+=("$OUT/$m" "$OUT/$m-load-aware" "$OUT/$m-offline")
   variants=fixed,load-aware
 done

@@ -247,15 +247,13 @@ def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict]
     from ..draft_policy import LoadAwarePolicy
     from ..engine import SpeculativeEngine
     from ..sampling import SamplingParams
-    from ..speculative import SpeculativeConfig, load_drafter
+    from ..speculative import SpeculativeConfig, config_of_args, load_drafter
     from ..target import Target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     target = Target.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-    cfg = SpeculativeConfig.parse(
-        {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
-    )
+    cfg = SpeculativeConfig.parse(config_of_args(args))
     drafter = load_drafter(cfg, target)
     ids = [target.encode(p["messages"] if "messages" in p else p["token_ids"]) for p in prompts]
     reqs = [ids[i % len(ids)] for i in range(args.num_requests)]
@@ -507,6 +505,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--method", default=MODEL_FREE.name)
     p.add_argument("--drafter", default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--lookup-first", type=int, default=None, metavar="N", help="offline: as in dcoco serve")
+    p.add_argument("--lookup-tokens", type=int, default=None, metavar="M", help="offline: as in dcoco serve")
     p.add_argument("--draft-token-budget", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
