@@ -41,28 +41,6 @@ def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true", help=EXACT_HELP)
 
 
-def _add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
-    from .speculative import METHODS
-
-    p.add_argument("--method", default=default_method, help=f"one of: {', '.join(METHODS)}")
-    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped one)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per pass")
-    p.add_argument(
-        "--lookup-first",
-        type=int,
-        default=None,
-        metavar="N",
-        help="trained drafters: where the last N+ tokens occurred earlier, draft by prompt lookup instead",
-    )
-    p.add_argument(
-        "--lookup-tokens",
-        type=int,
-        default=None,
-        metavar="M",
-        help="with --lookup-first: tokens a lookup draft proposes (default: 6, or the drafter's block if longer)",
-    )
-
-
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -73,6 +51,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .speculative import add_spec_args
+
     parser = argparse.ArgumentParser(prog=PROG, description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -87,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print a JSON object per prompt on stdout")
     _add_model_args(g)
     _add_quantization_arg(g)
-    _add_spec_args(g, default_method=_default_method())
+    add_spec_args(g, default_method=_default_method())
     _add_sampling_args(g)
 
     d = sub.add_parser("demo", help="speculative generation on a default prompt, compared with vanilla decoding")
     d.add_argument("--prompt", default=None)
     _add_model_args(d)
     _add_quantization_arg(d)
-    _add_spec_args(d, default_method=_default_method())
+    add_spec_args(d, default_method=_default_method())
     d.add_argument("--max-new-tokens", type=int, default=160)
 
     b = sub.add_parser(
@@ -296,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     _add_model_args(sv)
     _add_quantization_arg(sv)
-    _add_spec_args(sv, default_method=_model_free_method())
+    add_spec_args(sv, default_method=_model_free_method())
     sv.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the model directory's name)"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import warnings
 from typing import Literal, Optional
@@ -92,9 +93,29 @@ class SpeculativeConfig(BaseModel):
         }
 
 
+def add_spec_args(p: argparse.ArgumentParser, default_method: str) -> None:
+    """The drafting flags of `generate`, `demo`, `serve` and the load generator; `config_of_args` reads them."""
+    p.add_argument("--method", default=default_method, help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory (default: the shipped one)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per pass")
+    p.add_argument(
+        "--lookup-first",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trained drafters: where the last N+ tokens occurred earlier, draft by prompt lookup instead",
+    )
+    p.add_argument(
+        "--lookup-tokens",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --lookup-first: tokens a lookup draft proposes (default: 6, or the drafter's block if longer)",
+    )
+
+
 def config_of_args(args) -> dict:
-    """The speculative_config the command line names (`--method`, `--drafter`,
-    `--num-speculative-tokens`, `--lookup-first`, `--lookup-tokens`), for `generate`, `demo` and `serve`."""
+    """The speculative_config the flags of `add_spec_args` name."""
     return {
         "method": args.method,
         "model": args.drafter,
@@ -167,6 +188,7 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
 __all__ = [
     "METHODS",
     "SpeculativeConfig",
+    "add_spec_args",
     "available_methods",
     "config_of_args",
     "load_drafter",

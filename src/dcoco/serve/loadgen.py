@@ -501,12 +501,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu")
     from ..families import MODEL_FREE
+    from ..speculative import add_spec_args
 
-    p.add_argument("--method", default=MODEL_FREE.name)
-    p.add_argument("--drafter", default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
-    p.add_argument("--lookup-first", type=int, default=None, metavar="N", help="offline: as in dcoco serve")
-    p.add_argument("--lookup-tokens", type=int, default=None, metavar="M", help="offline: as in dcoco serve")
+    add_spec_args(p, default_method=MODEL_FREE.name)  # offline: as in dcoco serve
     p.add_argument("--draft-token-budget", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
