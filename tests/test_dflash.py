@@ -766,6 +766,23 @@ def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_pa
     assert "eval_tau_decode" in curve[0] and "loss" not in curve[0]
 
 
+def test_a_warm_start_keeps_its_block_unless_the_run_sets_one(tiny_data, tmp_path):
+    """The block size shapes no weight: a stage may continue a drafter with a smaller block (more
+    anchors for the same work on the slots that are drafted). Unset, the checkpoint's is kept."""
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
+    start = load_trained(tmp_path / "a" / "drafter", dtype=torch.float32)[1]
+    warm = {"optim.steps": 1, "drafter.init_from": str(tmp_path / "a" / "drafter")}
+    kept = Trainer(_cfg(root, tmp_path / "b", **warm, **{"drafter.block_size": "null"}), target, RegeneratedData(root))
+    assert kept.model.cfg.block_size == 6
+    small = Trainer(_cfg(root, tmp_path / "c", **warm, **{"drafter.block_size": 4}), target, RegeneratedData(root))
+    assert small.model.cfg.block_size == 4 and small.model.max_draft == 3
+    for k, v in start.state_dict().items():
+        assert torch.equal(small.model.state_dict()[k], v), k
+    small.run(progress=False)
+    assert load_trained(tmp_path / "c" / "drafter")[1].cfg.block_size == 4
+
+
 def test_wsd_schedule_holds_the_rate_then_decays_and_exports_the_drafter_before_the_decay(tiny_data, tmp_path):
     """`optim.schedule=wsd`: warm-up, the peak rate held, a linear decay to `min_lr_ratio` over the last
     `decay_fraction` of the steps; `run.out/stable` holds the drafter as it was when the decay began

@@ -34,18 +34,19 @@ class DFlashFamily(Family):
     # -- training ----------------------------------------------------------------------------
     def backbone(self, d, target, start=None) -> DFlashModel:
         """The DFlash backbone: that of `start` (a DFlash-family model), or a fresh one (its layers
-        from the target's last ones when `d.init_from_target`)."""
+        from the target's last ones when `d.init_from_target`). A warm start keeps its shape but
+        takes `d.block_size` when set: the block shapes no weight."""
         if start is not None:
             if not isinstance(start, DFlashModel):
                 raise ConfigError(f"drafter.init_from: {d.init_from} is not a DFlash-family checkpoint")
-            model = DFlashModel(start.cfg.model_copy())
+            model = DFlashModel(start.cfg.model_copy(update={"block_size": d.block_size or start.cfg.block_size}))
             own = model.state_dict()
             model.load_state_dict({k: v for k, v in start.state_dict().items() if k in own})
             return model
         cfg = DFlashConfig.for_target(
             target,
             num_layers=d.num_layers,
-            block_size=d.block_size,
+            block_size=d.block_size or 16,
             num_features=d.num_features,
             intermediate_size=d.intermediate_size,
         )

@@ -46,7 +46,9 @@ class CommonDrafterSection(_Section):
     (`drafter.dcoco`, `drafter.dspark`, `drafter.eagle3`: the registry's `Family.settings`)."""
 
     num_layers: int = 2
-    block_size: int = 16
+    # slots per drafted block, the anchor's included (None: the warm start's, else 16). It shapes no
+    # weight, so a warm start may change it: a smaller block spends a step's work on the slots drafted
+    block_size: Optional[int] = Field(None, ge=2, le=64)
     num_features: int = 5  # tapped target layers (evenly spaced, published default)
     intermediate_size: Optional[int] = None  # default: the target's
     init_from: Optional[str] = None  # warm start from a drafter checkpoint directory
