@@ -409,6 +409,8 @@ def test_resume_equals_uninterrupted(tiny_data, tmp_path, monkeypatch):
         (["optim.steps=abc"], "optim.steps"),
         (["nonsense"], "section.key=value"),
         (["method=medusa"], "method"),
+        (["method=dcoco", "drafter.distill_weight=0.5"], "distill_weight is DFlash's"),
+        (["drafter.distill_weight=-1"], "distill_weight"),
     ],
 )
 def test_config_errors(overrides, needle):
@@ -733,6 +735,48 @@ def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():
         torch.testing.assert_close(g, r)
     model.eval()
     assert fast(b)[1]["logits"].shape[-1] == target.vocab_size
+
+
+def test_distill_weight_adds_the_cross_entropy_against_the_targets_t1_distribution():
+    """`drafter.distill_weight`: the loss gains w x sum_x -p(x) log q(x) at every labelled slot, p the
+    target's T=1 distribution of that slot's token (its final norm and LM head on the last-layer
+    feature of the position before), renormalised over the draft vocabulary, weighted like the labels."""
+    import torch.nn.functional as F
+
+    from dcoco.train.losses import DrafterLoss, TargetHead
+
+    target = tiny()
+    model = tiny_dflash(target, seed=3)
+    ids = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))[:30].sort().values
+    model.set_draft_vocab(ids)
+    H, S, T = target.hidden_size, 2, 20
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        {"input_ids": s.tolist(), "prompt_len": 3} for s in torch.randint(target.vocab_size, (S, T), generator=gen)
+    ]
+    feats = [torch.randn(T, 3 * H, generator=gen) for _ in range(S)]  # two taps, then the last layer
+    embed, head = target.model.get_input_embeddings(), target.model.get_output_embeddings()
+    parts = (model, embed, head, 4.0, 2 * H, TargetHead(target), True)
+    plain, distilled = DrafterLoss(*parts), DrafterLoss(*parts, distill_weight=0.7)
+    b = plain.batch_at(samples, feats, [[3, 4, 16, 18], [5, 8]])
+    model.train()
+    h = plain.hidden(plain.drafter_features(b))
+    q = torch.log_softmax(F.linear(h[:, :, 1:], head.weight[ids]).float(), -1)  # (S, A, P, n)
+    num = den = 0.0
+    w = plain.weights
+    for s, anchors in enumerate([[3, 4, 16, 18], [5, 8]]):
+        for a_i, a in enumerate(anchors):
+            for j in range(q.shape[2]):
+                if b.labels[s, a_i, j] < 0:
+                    continue
+                x = target.model.model.norm(feats[s][a + j, 2 * H :])
+                p = torch.softmax(F.linear(x, head.weight[ids]).float(), -1)
+                num = num - w[j] * (p * q[s, a_i, j]).sum()
+                den = den + w[j]
+    assert (b.labels < 0).any()  # blocks cut by the sequence's end
+    torch.testing.assert_close(distilled(b)[0] - plain(b)[0], 0.7 * num / den)
+    with pytest.raises(ConfigError, match="last layer"):
+        DrafterLoss(model, embed, head, 4.0, draft_vocab_loss=True, distill_weight=0.5)
 
 
 def test_a_continued_stage_extends_the_count_of_sequences_seen(tiny_data, tmp_path):

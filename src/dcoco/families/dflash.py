@@ -68,9 +68,19 @@ class DFlashFamily(Family):
     def build_model(self, d, target, source: ModelSource, start=None) -> DFlashModel:
         return self.finish(self.backbone(d, target, start), d, target, source)
 
+    def reads_last_layer(self, d) -> bool:
+        return d.distill_weight > 0  # its soft labels are the target's distribution
+
     def build_loss(self, model, parts: LossParts, d) -> DrafterLoss:
         return DrafterLoss(
-            model, parts.embed, parts.lm_head, parts.gamma, parts.split, parts.target_head, d.draft_vocab_loss
+            model,
+            parts.embed,
+            parts.lm_head,
+            parts.gamma,
+            parts.split,
+            parts.target_head,
+            d.draft_vocab_loss,
+            d.distill_weight,
         )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ..errors import ConfigError
 from ..families import DEFAULT_TRAINED, FAMILIES, trained_families
@@ -60,6 +60,9 @@ class CommonDrafterSection(_Section):
     # DFlash: train the cross-entropy over the draft vocabulary only (what inference drafts from; a
     # sixth of the LM head's and the loss's work on SmolLM2); the other families score the full one
     draft_vocab_loss: bool = False
+    # DFlash: add this weight x the cross-entropy against the target's own T=1 distribution at each
+    # drafted slot (from the last layer's features): what T > 0 verification accepts (0: labels only)
+    distill_weight: float = Field(0.0, ge=0)
     # default draft tokens per pass stored in the checkpoint (None: EAGLE-3's ttt_steps / block_size - 1)
     num_speculative_tokens: Optional[int] = None
 
@@ -137,6 +140,14 @@ class TrainConfig(_Section):
     run: RunSection = RunSection()
     parallel: ParallelSection = ParallelSection()
 
+    @model_validator(mode="after")
+    def _distill(self) -> "TrainConfig":
+        if self.drafter.distill_weight and self.method != "dflash":
+            raise ValueError(
+                f"drafter.distill_weight is DFlash's loss term; method {self.method} does not train with it"
+            )
+        return self
+
 
 def _set(tree: dict, dotted: str, value) -> None:
     keys = dotted.split(".")
@@ -179,5 +190,5 @@ def parse_config(cls: type[C], path: Optional[str], overrides: tuple[str, ...] |
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        raise ConfigError(f"config {loc}: {msg}") from None
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"config {loc}: {msg}" if loc else f"config: {msg}") from None

@@ -33,14 +33,21 @@ class DrafterLoss:
         split: Optional[int] = None,
         head=None,
         draft_vocab_loss: bool = False,
+        distill_weight: float = 0.0,
     ) -> None:
         """`split`: the drafter's feature columns (None: all); `head` (`TargetHead`) reads the last
         layer's columns after them, for the T=1 figures (`slot_acceptance`). `draft_vocab_loss`:
-        while training, score only the draft vocabulary (see `__call__`)."""
+        while training, score only the draft vocabulary (see `__call__`). `distill_weight`: add that
+        times the cross-entropy against the target's own T=1 distribution (`soft_labels`)."""
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.gamma = gamma
         self.split, self.head = split, head
         self.draft_vocab_loss = draft_vocab_loss
+        if distill_weight and head is None:
+            raise ConfigError(
+                "drafter.distill_weight needs the target's last layer in the data (`dcoco data regenerate`)"
+            )
+        self.distill_weight = distill_weight
         self.weights = position_weights(model.cfg.block_size, gamma)
         # context parallelism: this rank's `dcoco.parallel.ContextShard`, None in a single process
         self.shard = None
@@ -89,9 +96,36 @@ class DrafterLoss:
             index = torch.full((self.lm_head.weight.shape[0] + 1,), -100, dtype=torch.long, device=ids.device)
             index[ids] = torch.arange(len(ids), device=ids.device)
             labels = index[b.labels.masked_fill(b.labels < 0, len(index) - 1).to(ids.device)]
-            return self.loss_from_logits(logits, labels), {"hidden": h}
+            return self.loss_from_logits(logits, labels) + self.distill_loss(b, logits, ids), {"hidden": h}
         logits = self.lm_head(h[:, :, 1:])  # (S, A, B-1, V)
-        return self.loss_from_logits(logits, b.labels), {"hidden": h, "logits": logits}
+        loss = self.loss_from_logits(logits, b.labels) + self.distill_loss(b, logits)
+        return loss, {"hidden": h, "logits": logits}
+
+    def soft_labels(self, b: Batch, P: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The target's T=1 distribution (S, A, P, n) of each slot's token over the vocabulary `rows`
+        (None: all), renormalised over them. Computed once per position of the sequence (a position
+        is a slot of several blocks), then gathered for the slots."""
+        if self.shard is not None:
+            raise ConfigError("drafter.distill_weight does not run under context parallelism yet")
+        last = b.feats[..., self.split :]
+        S, A = b.anchors.shape
+        T = last.shape[1]
+        p = torch.softmax(self.head.logits(last, rows), dim=-1)  # (S, T, n)
+        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P)
+        return p.gather(1, idx.unsqueeze(2).expand(-1, -1, p.shape[-1])).view(S, A, P, -1)
+
+    def distill_loss(self, b: Batch, logits: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`distill_weight` x the cross-entropy of the slots' logits (S, A, P, n) against the target's T=1
+        distribution (`soft_labels`), weighted as the labelled loss. Greedy answers teach only each
+        position's argmax; what T > 0 verification accepts is sum_x min(p(x), q(x)), so q should
+        carry p's other mass too (0 when the weight is 0)."""
+        if not self.distill_weight:
+            return logits.new_zeros(())
+        P = logits.shape[2]
+        p = self.soft_labels(b, P, rows)
+        soft = -(p * torch.log_softmax(at_least_float32(logits), dim=-1)).sum(-1)
+        w = self.weights[:P].view(1, 1, -1) * (b.labels[..., :P] != -100)
+        return self.distill_weight * self.weighted_mean(soft, w)
 
     @property
     def label_block(self) -> int:
