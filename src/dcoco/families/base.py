@@ -33,6 +33,10 @@ class LossParts:
     split: int
     gamma: float
 
+    def block_loss_args(self, model) -> tuple:
+        """The leading arguments of the DFlash-family block losses (`DrafterLoss` and its subclasses)."""
+        return model, self.embed, self.lm_head, self.gamma, self.split, self.target_head
+
 
 @dataclass
 class ModelSource:

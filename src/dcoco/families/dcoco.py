@@ -124,14 +124,7 @@ class DCOCOFamily(DFlashFamily):
     def build_loss(self, model, parts: LossParts, d) -> DCOCOLoss:
         s = d.dcoco
         return DCOCOLoss(
-            model,
-            parts.embed,
-            parts.lm_head,
-            parts.gamma,
-            parts.split,
-            parts.target_head,
-            corrector_weight=s.corrector_weight,
-            l1_weight=s.corrector_l1_weight,
+            *parts.block_loss_args(model), corrector_weight=s.corrector_weight, l1_weight=s.corrector_l1_weight
         )
 
 

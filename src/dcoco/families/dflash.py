@@ -72,16 +72,7 @@ class DFlashFamily(Family):
         return d.distill_weight > 0  # its soft labels are the target's distribution
 
     def build_loss(self, model, parts: LossParts, d) -> DrafterLoss:
-        return DrafterLoss(
-            model,
-            parts.embed,
-            parts.lm_head,
-            parts.gamma,
-            parts.split,
-            parts.target_head,
-            d.draft_vocab_loss,
-            d.distill_weight,
-        )
+        return DrafterLoss(*parts.block_loss_args(model), d.draft_vocab_loss, d.distill_weight)
 
 
 DFLASH = DFlashFamily()
