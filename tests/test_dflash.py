@@ -409,7 +409,7 @@ def test_resume_equals_uninterrupted(tiny_data, tmp_path, monkeypatch):
         (["optim.steps=abc"], "optim.steps"),
         (["nonsense"], "section.key=value"),
         (["method=medusa"], "method"),
-        (["method=dcoco", "drafter.distill_weight=0.5"], "distill_weight is DFlash's"),
+        (["method=dcoco", "drafter.distill_weight=0.5"], "does not read it"),
         (["drafter.distill_weight=-1"], "distill_weight"),
     ],
 )

@@ -33,6 +33,7 @@ class DCOCOSettings(DCOCOConfig):
 
 
 class DCOCOFamily(DFlashFamily):
+    loss_options = ()
     name = "dcoco"
     drafter_class = DCOCODrafter
     model_class = DCOCOModel

@@ -16,6 +16,7 @@ from .base import Family, LossParts, ModelSource
 
 
 class DFlashFamily(Family):
+    loss_options = ("distill_weight",)
     name = "dflash"
     drafter_class = BlockDrafter
     model_class = DFlashModel

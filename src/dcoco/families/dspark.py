@@ -28,6 +28,7 @@ class DSparkSettings(DSparkConfig):
 
 
 class DSparkFamily(DFlashFamily):
+    loss_options = ()
     name = "dspark"
     drafter_class = DSparkDrafter
     model_class = DSparkModel

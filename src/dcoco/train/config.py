@@ -142,9 +142,10 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _distill(self) -> "TrainConfig":
-        if self.drafter.distill_weight and self.method != "dflash":
+        readers = [n for n, f in FAMILIES.items() if "distill_weight" in f.loss_options]
+        if self.drafter.distill_weight and self.method not in readers:
             raise ValueError(
-                f"drafter.distill_weight is DFlash's loss term; method {self.method} does not train with it"
+                f"drafter.distill_weight: method {self.method}'s loss does not read it ({', '.join(readers)}'s does)"
             )
         return self
 
