@@ -38,7 +38,7 @@ class DrafterLoss:
         """`split`: the drafter's feature columns (None: all); `head` (`TargetHead`) reads the last
         layer's columns after them, for the T=1 figures (`slot_acceptance`). `draft_vocab_loss`:
         while training, score only the draft vocabulary (see `__call__`). `distill_weight`: add that
-        times the cross-entropy against the target's own T=1 distribution (`soft_labels`)."""
+        times the cross-entropy against the target's own T=1 distribution (`distill_loss`)."""
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.gamma = gamma
         self.split, self.head = split, head
@@ -101,28 +101,17 @@ class DrafterLoss:
         loss = self.loss_from_logits(logits, b.labels) + self.distill_loss(b, logits)
         return loss, {"hidden": h, "logits": logits}
 
-    def soft_labels(self, b: Batch, P: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The target's T=1 distribution (S, A, P, n) of each slot's token over the vocabulary `rows`
-        (None: all), renormalised over them. Computed once per position of the sequence (a position
-        is a slot of several blocks), then gathered for the slots."""
-        if self.shard is not None:
-            raise ConfigError("drafter.distill_weight does not run under context parallelism yet")
-        last = b.feats[..., self.split :]
-        S, A = b.anchors.shape
-        T = last.shape[1]
-        p = torch.softmax(self.head.logits(last, rows), dim=-1)  # (S, T, n)
-        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P)
-        return p.gather(1, idx.unsqueeze(2).expand(-1, -1, p.shape[-1])).view(S, A, P, -1)
-
     def distill_loss(self, b: Batch, logits: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`distill_weight` x the cross-entropy of the slots' logits (S, A, P, n) against the target's T=1
-        distribution (`soft_labels`), weighted as the labelled loss. Greedy answers teach only each
+        distribution (`TargetHead.slot_probs`), weighted as the labelled loss. Greedy answers teach only each
         position's argmax; what T > 0 verification accepts is sum_x min(p(x), q(x)), so q should
         carry p's other mass too (0 when the weight is 0)."""
         if not self.distill_weight:
             return logits.new_zeros(())
+        if self.shard is not None:
+            raise ConfigError("drafter.distill_weight does not run under context parallelism yet")
         P = logits.shape[2]
-        p = self.soft_labels(b, P, rows)
+        p = self.head.slot_probs(b, self.split, P, rows)
         soft = -(p * torch.log_softmax(at_least_float32(logits), dim=-1)).sum(-1)
         w = self.weights[:P].view(1, 1, -1) * (b.labels[..., :P] != -100)
         return self.distill_weight * self.weighted_mean(soft, w)

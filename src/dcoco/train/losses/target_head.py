@@ -36,10 +36,23 @@ class TargetHead:
         parallelism (`shard`, a `ContextShard`) those rows come from whichever rank holds them."""
         S, A = b.anchors.shape
         last = b.feats[..., split:]
-        T = b.feats.shape[1] if shard is None else shard.layout.total
-        idx = (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P)
+        idx = slot_rows(b, P, b.feats.shape[1] if shard is None else shard.layout.total)
         if shard is None:
             h = last.gather(1, idx.unsqueeze(2).expand(-1, -1, last.shape[-1]))
         else:  # one packed batch (S = 1), anchors as packed indices
             h = shard.fetch(last[0], idx[0])
         return torch.softmax(self.logits(h.reshape(S, A, P, -1)), dim=-1)
+
+    def slot_probs(self, b: Batch, split: int, P: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As `next_token_probs` over the vocabulary `rows` (None: all), renormalised over them, computed
+        once per position of the sequence (a position is a slot of several blocks), then gathered."""
+        S, A = b.anchors.shape
+        p = torch.softmax(self.logits(b.feats[..., split:], rows), dim=-1)  # (S, T, n)
+        idx = slot_rows(b, P, p.shape[1])
+        return p.gather(1, idx.unsqueeze(2).expand(-1, -1, p.shape[-1])).view(S, A, P, -1)
+
+
+def slot_rows(b: Batch, P: int, T: int) -> torch.Tensor:
+    """(S, A * P) the feature row a + j whose next token is slot j + 1 of the block at anchor a (< T)."""
+    S, A = b.anchors.shape
+    return (b.anchors.clamp(min=0).unsqueeze(2) + torch.arange(P)).clamp(max=T - 1).view(S, A * P)
