@@ -47,7 +47,7 @@ class DFlashFamily(Family):
         cfg = DFlashConfig.for_target(
             target,
             num_layers=d.num_layers,
-            block_size=d.block_size or 16,
+            block_size=d.block_size,
             num_features=d.num_features,
             intermediate_size=d.intermediate_size,
         )
