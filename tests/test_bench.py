@@ -444,15 +444,23 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
         tiny_chat_dir,
         out,
         "humaneval",
-        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2,dcoco/lookup1",
-        drafters=f"dcoco={ck},dflash={ck}",
+        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2,dcoco/lookup1,dflash/lookup1",
+        drafters=f"dcoco={ck},dflash={ck},dflash/lookup1={ck}",
         concurrency="1",
     )
     assert main(args) == 0, capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())
-    assert {r["method"] for r in rows} == {"vanilla", "dflash", "dcoco", "dcoco/nocorrect", "dcoco/k2", "dcoco/lookup1"}
+    assert {r["method"] for r in rows} == {
+        "vanilla",
+        "dflash",
+        "dcoco",
+        "dcoco/nocorrect",
+        "dcoco/k2",
+        "dcoco/lookup1",
+        "dflash/lookup1",
+    }
     # prompt lookup first: its share of the drafting steps, on its rows only
-    assert all(("lookup_share" in r) == (r["method"] == "dcoco/lookup1") for r in rows)
+    assert all(("lookup_share" in r) == r["method"].endswith("/lookup1") for r in rows)
     assert all(0 <= r["lookup_share"] <= 1 for r in rows if "lookup_share" in r)
     assert "## Prompt lookup first: the drafting steps it drafted" in (out / "results.md").read_text()
     for r in rows:
@@ -467,6 +475,11 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
     share = {r["method"]: r.get("select_share") for r in rows if r["temperature"] == 0}
     line = next(x for x in report.splitlines() if x.startswith("| dcoco | 0 | 1 |"))
     assert line.endswith(f"| {100 * (share['dcoco'] - share['dflash']):+.2f}% |")  # the corrector's own cost
+    # a labelled variant against the same variant of DFlash where the run has it, else plain DFlash
+    line = next(x for x in report.splitlines() if x.startswith("| dcoco/lookup1 | 0 | 1 |"))
+    assert line.endswith(f"| {100 * (share['dcoco/lookup1'] - share['dflash/lookup1']):+.2f}% |")
+    line = next(x for x in report.splitlines() if x.startswith("| dcoco/k2 | 0 | 1 |"))
+    assert line.endswith(f"| {100 * (share['dcoco/k2'] - share['dflash']):+.2f}% |")
 
 
 def test_quantized_bench_caps_draft_tokens_and_says_so(capsys, tmp_path, tiny_chat_dir):

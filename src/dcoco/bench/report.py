@@ -29,13 +29,19 @@ from .config import PEERS
 PLOTS = ("speedup_vs_concurrency.png", "per_position_acceptance.png", "acceptance_length.png")
 
 
-def select_baseline(method: str) -> Optional[str]:
-    """The method whose token-selection time a method's is reported net of (its family's `select_baseline`)."""
+def select_baseline(method: str, measured: set[str]) -> Optional[str]:
+    """The method whose token-selection time a method's is reported net of: its family's
+    `select_baseline`, as the same labelled variant where the run measured that one
+    (`dcoco/stage` against `dflash/stage`), else plain."""
     from ..families import FAMILIES
     from ..speculative import split_label
 
-    fam = FAMILIES.get(split_label(method)[0])
-    return fam.select_baseline if fam is not None else None
+    family, tag = split_label(method)
+    fam = FAMILIES.get(family)
+    if fam is None or fam.select_baseline is None:
+        return None
+    variant = f"{fam.select_baseline}/{tag}"
+    return variant if tag and variant in measured else fam.select_baseline
 
 
 def _key(r: dict) -> tuple:
@@ -291,7 +297,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     vals = [r["select_share"] for r in mine]
                     # the same rows of the family it extends (DCOCO: DFlash), when measured: what
                     # selection costs there, so the rest is this family's own
-                    ref = select_baseline(m)
+                    ref = select_baseline(m, set(methods))
                     base = [(r["select_share"], share.get(row_id(r, ref))) for r in mine] if ref else []
                     net = [a - b for a, b in base if b is not None]
                     body.append(
@@ -310,7 +316,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "Share of the generation's wall time spent choosing the draft tokens from the drafter's logits: "
             "argmax or sampling (DFlash), the Markov head (DSpark), shortlist + pair scores + left-to-right "
             "walk (DCOCO); mean and worst row over datasets and seeds. `over dflash`: the mean difference "
-            "from DFlash's share on the same dataset, seed and concurrency, when DFlash ran too: the "
+            "from DFlash's share on the same dataset, seed and concurrency, when DFlash ran too (the "
+            "same labelled variant where it ran: `dcoco/stage` against `dflash/stage`): the "
             "corrector's own cost.",
             "",
         ]
