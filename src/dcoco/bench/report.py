@@ -283,8 +283,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
             return method, r["dataset"], float(r["temperature"]), r.get("seed"), int(r["concurrency"])
 
         share = {row_id(r, r["method"]): r["select_share"] for r in sel}
-        body = []
+        body, measured = [], set(methods)
         for m in methods:
+            # the same rows of the family it extends (DCOCO: DFlash), when measured: what selection
+            # costs there, so the rest is this family's own
+            ref = select_baseline(m, measured)
             for t in temps:
                 for c in concs:
                     mine = [
@@ -295,9 +298,6 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     if not mine:
                         continue
                     vals = [r["select_share"] for r in mine]
-                    # the same rows of the family it extends (DCOCO: DFlash), when measured: what
-                    # selection costs there, so the rest is this family's own
-                    ref = select_baseline(m, set(methods))
                     base = [(r["select_share"], share.get(row_id(r, ref))) for r in mine] if ref else []
                     net = [a - b for a, b in base if b is not None]
                     body.append(

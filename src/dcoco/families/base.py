@@ -59,7 +59,7 @@ class Family:
     spec_options: tuple[str, ...] = ()
     #: the bench reports this family's token-selection time net of that family's (None: not at all)
     select_baseline: Optional[str] = None
-    # shared `drafter` keys that only some losses read: a run setting one its family's loss ignores is refused
+    #: shared `drafter` keys that only some losses read: a run setting one its family's loss ignores is refused
     loss_options: tuple[str, ...] = ()
     #: the class of its models (a checkpoint of another family is refused) and of its `Drafter`
     model_class: Optional[type] = None
