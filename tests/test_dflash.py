@@ -372,6 +372,7 @@ def test_training_loss_falls(tiny_data, tmp_path):
     first = sum(r["loss"] for r in rows[:5]) / 5
     last = sum(r["loss"] for r in rows[-5:]) / 5
     assert last < 0.9 * first, (first, last)
+    assert all(0 < r["rss_gb"] < 1024 for r in rows)  # each step's resident memory, in GB
     assert (tmp_path / "run" / "drafter" / "config.json").exists() and (tmp_path / "run" / "curve.png").exists()
     ev = [r for r in rows if "eval_tau" in r]
     assert ev and ev[-1]["eval_tau"] >= 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shlex
 import sys
 import warnings
@@ -550,7 +551,10 @@ def cmd_train(args) -> int:
     check_context_parallel(cfg.parallel, cfg.target.device)
     if cfg.parallel.context > 1 and not launched():  # this command again, one process per rank
         return torchrun(cfg.parallel.context, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
-    train(cfg)
+    if train(cfg).restart_requested:  # run.restart_every: the same command in a fresh process resumes
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     return 0
 
 

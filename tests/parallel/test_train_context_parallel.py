@@ -6,6 +6,9 @@ DFlash backbone and corrector) and EAGLE-3 on its answers with online features, 
 steps. Every step's loss and the final weights must agree: the processes' losses and gradients add
 up to the one-process ones (tested to 1e-10 in float64 in test_drafter_context_parallel.py); here
 float32 rounding differs in order only.
+
+`run.restart_every` makes the same command start itself again in a fresh process (a plain exec, no
+launcher), which resumes where the last one saved: it must end at the uninterrupted run's drafter.
 """
 
 from __future__ import annotations
@@ -110,3 +113,19 @@ def test_bad_parallel_settings_are_one_line_errors_before_launch(tiny_run, tmp_p
     assert rc == 2 and err.strip().count("\n") == 0 and "parallel.context" in err, err
     rc, err = train(tiny_run, tmp_path / "x", "dflash", "parallel.context=2", "target.device=cuda")
     assert rc == 2 and err.strip().count("\n") == 0 and "gloo" in err, err
+
+
+def test_restart_every_resumes_in_a_fresh_process_to_the_same_drafter(tiny_run, tmp_path):
+    rc, err = train(tiny_run, tmp_path / "straight", "dflash")
+    assert rc == 0, err
+    rc, err = train(tiny_run, tmp_path / "restarted", "dflash", "run.restart_every=1", "run.checkpoint_every=2")
+    assert rc == 0, err
+    assert [f"resumed from step {s}" in err for s in range(1, STEPS)] == [True] * (STEPS - 1), err
+    logs = [
+        [json.loads(x) for x in (tmp_path / d / "log.jsonl").read_text().splitlines()]
+        for d in ("straight", "restarted")
+    ]
+    assert [r["step"] for r in logs[1]] == list(range(1, STEPS + 1))
+    a, b = (torch.load(tmp_path / d / "state.pt", weights_only=False)["model"] for d in ("straight", "restarted"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

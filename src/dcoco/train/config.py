@@ -107,6 +107,9 @@ class RunSection(_Section):
     checkpoint_every: int = 100
     eval_every: int = 250
     flops_every: int = 10  # count the matmul FLOPs of every N-th step (logs gflop, tflops); 0: never
+    # `dcoco train` saves and starts itself again every N steps (0: never): within one process the
+    # pace falls 10-20% over a few hundred steps, a fresh one regains it (docs/training.md#memory)
+    restart_every: int = Field(0, ge=0)
 
 
 class ParallelSection(_Section):

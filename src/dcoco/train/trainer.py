@@ -20,7 +20,10 @@ there and reaches the same weights as an uninterrupted one.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
 import random
 import sys
 import time
@@ -46,6 +49,33 @@ from .runstate import append_log, read_log, save_state, truncate_log, write_log
 #: in an exported drafter: the log rows of every stage behind it, each with its `stage` (1, 2, ...),
 #: so that a stage continued from it (`drafter.init_from`) extends one training curve
 CURVE_LOG = "training_log.jsonl"
+
+
+def resident_gb() -> Optional[float]:
+    """This process's resident memory in GB (Linux), logged per step: a run that grows as it goes
+    shows it in its log."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 1e9, 3)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim). Online features run the
+    target on a new sequence length every few steps; without it the process grows step by step
+    (docs/training.md#memory). A no-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def samples_seen(checkpoint: str) -> int:
@@ -141,6 +171,7 @@ class Trainer:
         self.stage = 1 + max((r.get("stage", 0) for r in self.earlier), default=0)
         self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
+        self.restart_requested = False  # run() stopped at a `run.restart_every` step, state saved
         self._resume()
 
     def export(self, path: Path) -> None:
@@ -287,10 +318,12 @@ class Trainer:
                 t0 = time.time()
                 with flops.counting() if counted else nullcontext():
                     m = self.train_step()
+                trim_heap()
                 dt = time.time() - t0
                 self.train_seconds += dt
                 m.update(step=self.step, epoch=self.epoch, samples_seen=self.samples_seen, step_s=round(dt, 3))
                 m.update(samples_per_s=round(o.batch_size / dt, 3), tokens_per_s=round(self.batch_tokens / dt, 1))
+                m.update(rss_gb=resident_gb())
                 if counted:  # the counter's own overhead is in dt: a lower bound
                     m.update(gflop=round(flops.total / 1e9, 1), tflops=round(flops.total / dt / 1e12, 4))
                 if budget_from is not None and self.step - budget_from[0] >= o.time_budget_probe:
@@ -311,6 +344,12 @@ class Trainer:
                     self.export(self.out / "stable")  # what the next stage continues from
                 if self.step % r.checkpoint_every == 0 or self.step == o.steps:
                     self.save()
+                restart = bool(r.restart_every) and self.step % r.restart_every == 0 and self.context == 1
+                if restart and self.step < o.steps:
+                    if self.step % r.checkpoint_every:
+                        self.save()
+                    self.restart_requested = True  # the caller starts a fresh process, which resumes here
+                    return
         except KeyboardInterrupt:
             print(f"\ninterrupted at step {self.step}; resume with the same command", file=sys.stderr)
             raise
