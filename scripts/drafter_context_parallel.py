@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from dcoco.bench.system import git_commit, machine_info
 from dcoco.drafters.dflash import DFlashConfig, DFlashModel
+from dcoco.memory import rss_bytes, trim_heap
 from dcoco.parallel import ContextShard, ZigzagLayout, allreduce_gradients
-from dcoco.parallel.bench import PeakRSS, rss_bytes, trim_heap
+from dcoco.parallel.bench import PeakRSS
 from dcoco.parallel.launch import spawn_local
 from dcoco.train.batch import sample_anchors
 from dcoco.train.losses import DrafterLoss

@@ -38,13 +38,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..memory import rss_bytes, trim_heap
 from .baseline import allgather_attention
 from .comm import CommStats
 from .launch import spawn_local
 from .ring import zigzag_ring_attention
 from .zigzag import ZigzagLayout
 
-__all__ = ["PeakRSS", "main", "project", "rss_bytes", "run_benchmark", "trim_heap"]
+__all__ = ["PeakRSS", "main", "project", "run_benchmark"]
 
 PUBLISHED = {
     "source": "reference figures quoted in the Scale-out issue",
@@ -57,11 +58,6 @@ PUBLISHED = {
 
 
 # ------------------------------------------------------------------ memory
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class PeakRSS:
     """Samples the resident set size in a thread; ``peak`` is the maximum seen."""
 
@@ -82,15 +78,6 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
-
-
-def trim_heap() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except Exception:  # noqa: BLE001 - not glibc: the baseline is a little noisier
-        pass
 
 
 # ------------------------------------------------------------------ worker

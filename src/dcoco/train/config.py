@@ -108,7 +108,8 @@ class RunSection(_Section):
     eval_every: int = 250
     flops_every: int = 10  # count the matmul FLOPs of every N-th step (logs gflop, tflops); 0: never
     # `dcoco train` saves and starts itself again every N steps (0: never): within one process the
-    # pace falls 10-20% over a few hundred steps, a fresh one regains it (docs/training.md#memory)
+    # pace falls 10-20% over a few hundred steps, a fresh one regains it (docs/training.md#memory);
+    # a context-parallel job does not restart
     restart_every: int = Field(0, ge=0)
 
 

@@ -20,10 +20,7 @@ there and reaches the same weights as an uninterrupted one.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import os
 import random
 import sys
 import time
@@ -37,6 +34,7 @@ import torch.distributed as dist
 from ..bench.system import device_label
 from ..errors import ConfigError
 from ..families import LossParts, ModelSource, build_model, get_family
+from ..memory import resident_gb, trim_heap
 from .batch import Batch, is_eval_sample, loss_batch, token_counts, truncate
 from .config import TrainConfig, check_context_parallel
 from .data import RegeneratedUnion
@@ -49,33 +47,6 @@ from .runstate import append_log, read_log, save_state, truncate_log, write_log
 #: in an exported drafter: the log rows of every stage behind it, each with its `stage` (1, 2, ...),
 #: so that a stage continued from it (`drafter.init_from`) extends one training curve
 CURVE_LOG = "training_log.jsonl"
-
-
-def resident_gb() -> Optional[float]:
-    """This process's resident memory in GB (Linux), logged per step: a run that grows as it goes
-    shows it in its log."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return round(pages * os.sysconf("SC_PAGE_SIZE") / 1e9, 3)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def trim_heap() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim). Online features run the
-    target on a new sequence length every few steps; without it the process grows step by step
-    (docs/training.md#memory). A no-op without glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def samples_seen(checkpoint: str) -> int:
@@ -342,12 +313,11 @@ class Trainer:
                 bar.update(1)
                 if o.schedule == "wsd" and self.step == self.decay_start and self.lead:
                     self.export(self.out / "stable")  # what the next stage continues from
-                if self.step % r.checkpoint_every == 0 or self.step == o.steps:
+                restart = self.context == 1 and r.restart_every > 0 and self.step % r.restart_every == 0
+                restart = restart and self.step < o.steps
+                if self.step % r.checkpoint_every == 0 or self.step == o.steps or restart:
                     self.save()
-                restart = bool(r.restart_every) and self.step % r.restart_every == 0 and self.context == 1
-                if restart and self.step < o.steps:
-                    if self.step % r.checkpoint_every:
-                        self.save()
+                if restart:
                     self.restart_requested = True  # the caller starts a fresh process, which resumes here
                     return
         except KeyboardInterrupt:
