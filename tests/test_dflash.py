@@ -430,7 +430,8 @@ def test_every_training_config_loads_and_stage_configs_name_committed_paths():
     for path in configs:
         cfg = load_config(str(path))
         if path.stem.endswith("_stage"):
-            named = [cfg.data.path, cfg.drafter.init_from, cfg.drafter.dcoco.corrector_from]
+            data = cfg.data.path if isinstance(cfg.data.path, list) else [cfg.data.path]
+            named = [*data, cfg.drafter.init_from, cfg.drafter.dcoco.corrector_from]
             for rel in filter(None, named):
                 assert (root / rel).exists(), (path.name, rel)
 
