@@ -419,6 +419,23 @@ def test_config_errors(overrides, needle):
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_bf16_training_warns_on_a_cpu_without_bf16_matrix_units(monkeypatch, recwarn, bf16_units):
+    """bf16 training on a CPU without AVX-512 BF16 or AMX gets a warning naming the float32 overrides;
+    a float32 config, or a CPU with them, gets none."""
+    from dcoco.train.run import warn_slow_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_units)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    warn_slow_bf16(load_config(None, []))
+    warned = [str(w.message) for w in recwarn if "bf16 matrix" in str(w.message)]
+    assert bool(warned) != bf16_units
+    assert all("target.dtype=float32 optim.autocast_bf16=false" in m for m in warned)
+    recwarn.clear()
+    warn_slow_bf16(load_config(None, ["target.dtype=float32", "optim.autocast_bf16=false"]))
+    assert not any("bf16 matrix" in str(w.message) for w in recwarn)
+
+
 def test_every_training_config_loads_and_stage_configs_name_committed_paths():
     """configs/*.yaml (the RL one has its own schema) parse; a stage config continues committed
     checkpoints on the committed corpus, so every path it names is in the repository."""

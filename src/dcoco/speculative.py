@@ -14,6 +14,7 @@ from .drafters.base import Drafter
 from .drafters.lookup_first import LookupFirst
 from .errors import ConfigError, UnknownMethodError
 from .families import FAMILIES, METHODS, get_family, load_drafter_model, shipped_checkpoint
+from .target import cpu_bf16_matrix_units
 
 
 class SpeculativeConfig(BaseModel):
@@ -156,7 +157,7 @@ def slow_bf16_verification(target) -> bool:
     units"), so verifying a drafted block rarely pays off."""
     if target.device.type != "cpu" or target.dtype != torch.bfloat16:
         return False
-    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return not cpu_bf16_matrix_units()
 
 
 def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:

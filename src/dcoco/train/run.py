@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from ..target import Target
+from ..target import Target, cpu_bf16_matrix_units
 from .config import TrainConfig
 from .data import RegeneratedUnion
 from .trainer import Trainer
@@ -19,6 +20,18 @@ from .trainer import Trainer
 TRAIN_PRIMITIVE_CACHE = "8"
 
 
+def warn_slow_bf16(cfg: TrainConfig) -> None:
+    """On a CPU without bf16 matrix instructions a bf16 step runs 2-4x slower than a float32 one (an
+    online DFlash step on 2 Ice Lake cores: 17.5 s against 7.5), so say how to train in float32."""
+    bf16 = cfg.target.dtype == "bfloat16" or cfg.optim.autocast_bf16
+    if cfg.target.device.startswith("cpu") and bf16 and not cpu_bf16_matrix_units():
+        warnings.warn(
+            "this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): bf16 training runs 2-4x slower "
+            "than float32 here; add target.dtype=float32 optim.autocast_bf16=false",
+            stacklevel=2,
+        )
+
+
 def train(cfg: TrainConfig) -> Trainer:
     import transformers
 
@@ -29,6 +42,7 @@ def train(cfg: TrainConfig) -> Trainer:
         threads = max(1, (threads or os.cpu_count() or 1) // cfg.parallel.context)
     if threads:
         torch.set_num_threads(threads)
+    warn_slow_bf16(cfg)
     target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype, device=cfg.target.device)
     trainer = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
     trainer.run()
