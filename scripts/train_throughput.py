@@ -3,10 +3,13 @@ step shapes (threads, sequences per step, anchors per sequence), on the same dat
 
 For each shape: one warm-up step, then `--steps` timed steps (sequences/s, anchor blocks/s, tokens/s),
 then two steps under `dcoco.train.flops` for the matmul FLOPs per token, which gives the TFLOPS
-achieved at the timed pace. The peak is a large bf16 matmul (2048^3) at the same thread count.
+achieved at the timed pace. The peak is a large matmul (2048^3) in the same dtype at the same thread
+count. Steps run as `dcoco train` runs them: oneDNN's kernel cache capped, the heap trimmed after each.
+`--dtype float32` runs the target and the drafter's products in float32 (a CPU without bf16 matrix
+units, docs/training.md).
 
   python scripts/train_throughput.py --data DIR [--config configs/dflash_smollm2.yaml] \
-      [--shapes 1x4x16,2x4x16,2x8x32,2x8x64] [--steps 5] --out DIR
+      [--shapes 1x4x16,2x4x16,2x8x32,2x8x64] [--steps 5] [--dtype bfloat16|float32] --out DIR
 
 A shape is THREADSxSEQUENCESxANCHORS, optionally followed by `:key=value` config overrides of its
 own (e.g. `2x4x64:drafter.draft_vocab_loss=true`). Writes DIR/train_throughput.{json,md,png}.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -23,17 +27,19 @@ from pathlib import Path
 import torch
 
 from dcoco.bench.system import git_commit, machine_info
+from dcoco.memory import trim_heap
 from dcoco.target import Target
 from dcoco.train.config import load_config
 from dcoco.train.data import RegeneratedUnion
 from dcoco.train.flops import StepFlops
+from dcoco.train.run import TRAIN_PRIMITIVE_CACHE
 from dcoco.train.trainer import Trainer
 
 
-def matmul_peak(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """TFLOPS of a bf16 n x n x n matmul (best of `repeats`)."""
+def matmul_peak(threads: int, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """TFLOPS of an n x n x n matmul (best of `repeats`)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -65,6 +71,7 @@ def measure(config: str, data: list[str], target, threads: int, seqs: int, ancho
         t0 = time.perf_counter()
         for _ in range(steps):
             tr.train_step()
+            trim_heap()
             tokens += tr.batch_tokens
         dt = time.perf_counter() - t0
         blocks = steps * seqs * anchors
@@ -93,15 +100,19 @@ def main() -> None:
     ap.add_argument("--config", default="configs/dflash_smollm2.yaml")
     ap.add_argument("--shapes", default="1x4x16,2x4x16,2x8x32,2x8x64", help="THREADSxSEQSxANCHORS,...")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default="runs/train-throughput")
     ap.add_argument("overrides", nargs="*", help="config overrides for every shape, e.g. drafter.num_layers=1")
     args = ap.parse_args()
-    target = Target.from_pretrained(dtype="bfloat16")
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", TRAIN_PRIMITIVE_CACHE)  # before oneDNN's first kernel
+    target = Target.from_pretrained(dtype=args.dtype)
+    if args.dtype == "float32":
+        args.overrides = ["optim.autocast_bf16=false", *args.overrides]
     shapes = []
     for spec in args.shapes.split(","):
         dims, *own = spec.split(":")
         shapes.append((*(int(v) for v in dims.split("x")), own))
-    peaks = {t: round(matmul_peak(t), 3) for t in sorted({s[0] for s in shapes})}
+    peaks = {t: round(matmul_peak(t, target.dtype), 3) for t in sorted({s[0] for s in shapes})}
     rows = []
     for threads, seqs, anchors, own in shapes:
         row = measure(args.config, args.data, target, threads, seqs, anchors, args.steps, [*args.overrides, *own])
@@ -116,7 +127,13 @@ def main() -> None:
         r["blocks_vs_first"] = round(r["blocks_per_s"] / base["blocks_per_s"], 2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = {**machine_info("cpu"), "commit": git_commit(), "config": args.config, "overrides": args.overrides}
+    info = {
+        **machine_info("cpu", args.dtype),
+        "commit": git_commit(),
+        "dtype": args.dtype,
+        "config": args.config,
+        "overrides": args.overrides,
+    }
     (out / "train_throughput.json").write_text(json.dumps({"machine": info, "peaks": peaks, "rows": rows}, indent=2))
     head = (
         "| threads | seq/step | anchors/seq | overrides | s/step | seq/s | blocks/s | tokens/s | GFLOP/token | TFLOPS "
@@ -133,7 +150,9 @@ def main() -> None:
     peak_txt = ", ".join(f"{v} TFLOPS at {k} thread{'s' if k > 1 else ''}" for k, v in peaks.items())
     (out / "train_throughput.md").write_text(
         f"Drafter training throughput, `{args.config}` {' '.join(args.overrides)}, online target features, "
-        f"{info.get('cpu', '')}; bf16 matmul peak {peak_txt}; commit {info['commit']}\n\n" + "\n".join(lines) + "\n"
+        f"{info.get('cpu', '')}; {args.dtype} matmul peak {peak_txt}; commit {info['commit']}\n\n"
+        + "\n".join(lines)
+        + "\n"
     )
     import matplotlib
 
@@ -148,7 +167,7 @@ def main() -> None:
     ax.bar(labels, [r["tflops"] for r in rows], label="achieved")
     for t, p in peaks.items():
         ax.axhline(p, ls="--", color="gray", lw=1)
-        ax.text(len(rows) - 0.5, p, f"bf16 matmul peak, {t} thr", ha="right", va="bottom", fontsize=8)
+        ax.text(len(rows) - 0.5, p, f"{args.dtype} matmul peak, {t} thr", ha="right", va="bottom", fontsize=8)
     ax.set_ylabel("TFLOPS (matmul)")
     ax.set_xlabel("threads x sequences/step x anchors/sequence (* own overrides)")
     ax.set_title("drafter training throughput")
