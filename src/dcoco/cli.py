@@ -545,15 +545,18 @@ def cmd_data_prompts(args) -> int:
 def cmd_train(args) -> int:
     from .parallel.launch import launched, torchrun
     from .train.config import check_context_parallel, load_config
-    from .train.run import train
+    from .train.run import RESTARTED_ENV, train, warn_slow_bf16
 
     cfg = load_config(args.config, args.overrides)
     check_context_parallel(cfg.parallel, cfg.target.device)
+    if not launched() and RESTARTED_ENV not in os.environ:  # once per command, not per rank or restart
+        warn_slow_bf16(cfg)
     if cfg.parallel.context > 1 and not launched():  # this command again, one process per rank
         return torchrun(cfg.parallel.context, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
     if train(cfg).restart_requested:  # run.restart_every: the same command in a fresh process resumes
         sys.stdout.flush()
         sys.stderr.flush()
+        os.environ[RESTARTED_ENV] = "1"
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     return 0
 

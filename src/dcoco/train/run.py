@@ -19,6 +19,10 @@ from .trainer import Trainer
 #: first kernel, so it is set before the target loads; an environment value wins.
 TRAIN_PRIMITIVE_CACHE = "8"
 
+#: Set in the environment of the fresh process a `run.restart_every` restart starts: it continues the
+#: same command, which has already said what it warns about once.
+RESTARTED_ENV = "DCOCO_TRAIN_RESTARTED"
+
 
 def warn_slow_bf16(cfg: TrainConfig) -> None:
     """On a CPU without bf16 matrix instructions a bf16 step runs 2-4x slower than a float32 one (an
@@ -42,7 +46,6 @@ def train(cfg: TrainConfig) -> Trainer:
         threads = max(1, (threads or os.cpu_count() or 1) // cfg.parallel.context)
     if threads:
         torch.set_num_threads(threads)
-    warn_slow_bf16(cfg)
     target = Target.from_pretrained(cfg.target.model, dtype=cfg.target.dtype, device=cfg.target.device)
     trainer = Trainer(cfg, target, RegeneratedUnion(cfg.data.path))
     trainer.run()
