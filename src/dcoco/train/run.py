@@ -25,12 +25,13 @@ RESTARTED_ENV = "DCOCO_TRAIN_RESTARTED"
 
 
 def warn_slow_bf16(cfg: TrainConfig) -> None:
-    """On a CPU without bf16 matrix instructions a bf16 step runs 2-4x slower than a float32 one (an
-    online DFlash step on 2 Ice Lake cores: 17.5 s against 7.5), so say how to train in float32."""
+    """On a CPU without bf16 matrix instructions a bf16 step runs 2x or more slower than a float32 one
+    (an online DFlash step on 2 Ice Lake cores: 17.5 s against 7.5; bf16 products on AVX2 alone run 6-7x
+    slower than float32 ones), so say how to train in float32."""
     bf16 = cfg.target.dtype == "bfloat16" or cfg.optim.autocast_bf16
     if cfg.target.device.startswith("cpu") and bf16 and not cpu_bf16_matrix_units():
         warnings.warn(
-            "this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): bf16 training runs 2-4x slower "
+            "this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): bf16 matrix products run 2-7x slower "
             "than float32 here; add target.dtype=float32 optim.autocast_bf16=false",
             stacklevel=2,
         )
