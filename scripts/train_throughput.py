@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from dcoco.target import Target
 from dcoco.train.config import load_config
 from dcoco.train.data import RegeneratedUnion
 from dcoco.train.flops import StepFlops
-from dcoco.train.run import TRAIN_PRIMITIVE_CACHE
+from dcoco.train.run import cap_kernel_cache
 from dcoco.train.trainer import Trainer
 
 
@@ -104,7 +103,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/train-throughput")
     ap.add_argument("overrides", nargs="*", help="config overrides for every shape, e.g. drafter.num_layers=1")
     args = ap.parse_args()
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", TRAIN_PRIMITIVE_CACHE)  # before oneDNN's first kernel
+    cap_kernel_cache()  # before oneDNN's first kernel
     target = Target.from_pretrained(dtype=args.dtype)
     if args.dtype == "float32":
         args.overrides = ["optim.autocast_bf16=false", *args.overrides]

@@ -542,10 +542,15 @@ def cmd_data_prompts(args) -> int:
     return 0
 
 
+#: Set in the environment of the fresh process a `run.restart_every` restart starts: it continues the
+#: same command, which has already said what it warns about once.
+RESTARTED_ENV = "DCOCO_TRAIN_RESTARTED"
+
+
 def cmd_train(args) -> int:
     from .parallel.launch import launched, torchrun
     from .train.config import check_context_parallel, load_config
-    from .train.run import RESTARTED_ENV, train, warn_slow_bf16
+    from .train.run import train, warn_slow_bf16
 
     cfg = load_config(args.config, args.overrides)
     check_context_parallel(cfg.parallel, cfg.target.device)

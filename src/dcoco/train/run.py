@@ -15,13 +15,14 @@ from .trainer import Trainer
 #: oneDNN keeps the kernels it built per input shape (primitives), 1,024 by default. Training runs the
 #: target on one sequence at a time at its own length, so most steps add new shapes, and a full cache
 #: holds gigabytes the next step rarely reuses; a few entries keep what one step does reuse (55 online
-#: DFlash steps: 8% faster, 3.1 GB resident against 4.6; docs/training.md#memory). Read when oneDNN makes its
-#: first kernel, so it is set before the target loads; an environment value wins.
+#: DFlash steps: 8% faster, 3.1 GB resident against 4.6; docs/training.md#memory).
 TRAIN_PRIMITIVE_CACHE = "8"
 
-#: Set in the environment of the fresh process a `run.restart_every` restart starts: it continues the
-#: same command, which has already said what it warns about once.
-RESTARTED_ENV = "DCOCO_TRAIN_RESTARTED"
+
+def cap_kernel_cache() -> None:
+    """Cap oneDNN's kernel cache for training steps. oneDNN reads the setting when it makes its first
+    kernel, so call this before the target loads; a value already in the environment wins."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", TRAIN_PRIMITIVE_CACHE)
 
 
 def warn_slow_bf16(cfg: TrainConfig) -> None:
@@ -41,7 +42,7 @@ def train(cfg: TrainConfig) -> Trainer:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", TRAIN_PRIMITIVE_CACHE)
+    cap_kernel_cache()
     threads = cfg.optim.threads
     if cfg.parallel.context > 1:  # optim.threads is the job's: the processes share the cores
         threads = max(1, (threads or os.cpu_count() or 1) // cfg.parallel.context)
