@@ -865,9 +865,11 @@ def test_a_warm_start_keeps_its_block_unless_the_run_sets_one(tiny_data, tmp_pat
 def test_wsd_schedule_holds_the_rate_then_decays_and_exports_the_drafter_before_the_decay(tiny_data, tmp_path):
     """`optim.schedule=wsd`: warm-up, the peak rate held, a linear decay to `min_lr_ratio` over the last
     `decay_fraction` of the steps; `run.out/stable` holds the drafter as it was when the decay began
-    (the point a next stage continues from), with the sequences and curve rows up to that step."""
+    (the point a next stage continues from), with the sequences and curve rows up to that step, and the
+    evaluations past it marked `decayed` (so the next stage's curve keeps this stage's evaluated end)."""
     import json
 
+    from dcoco.train.plots import training_curve
     from dcoco.train.runstate import read_log
     from dcoco.train.trainer import CURVE_LOG
 
@@ -880,7 +882,10 @@ def test_wsd_schedule_holds_the_rate_then_decays_and_exports_the_drafter_before_
     assert lr[8:11] == pytest.approx([2.1e-3, 1.2e-3, 3e-4])  # steps 9, 10, 11: the last one at the floor
     stable = tmp_path / "w" / "stable"
     assert json.loads((stable / "config.json").read_text())["dcoco_training"]["samples_seen"] == 9 * 4
-    assert [r["step"] for r in read_log(stable / CURVE_LOG)] == list(range(1, 10))
+    curve = read_log(stable / CURVE_LOG)
+    assert [r["step"] for r in curve] == list(range(1, 10)) + [12]
+    assert [r.get("decayed", False) for r in curve] == [False] * 9 + [True] and "eval_tau_decode" in curve[-1]
+    assert training_curve(curve, tmp_path / "curve.png").stat().st_size > 0
     decayed = Trainer(
         _cfg(root, tmp_path / "x", **{"drafter.init_from": str(tmp_path / "w" / "drafter")}),
         target,
@@ -888,5 +893,6 @@ def test_wsd_schedule_holds_the_rate_then_decays_and_exports_the_drafter_before_
     )
     held = Trainer(_cfg(root, tmp_path / "y", **{"drafter.init_from": str(stable)}), target, RegeneratedData(root))
     assert held.samples_before == 36 and decayed.samples_before == 48
+    assert held.earlier[-1]["decayed"] and held.earlier[-1]["samples_seen"] == 48  # the next curve keeps the end
     differ = [not torch.equal(a, b) for a, b in zip(held.model.parameters(), decayed.model.parameters())]
     assert any(differ)  # the stable export is not the last step's drafter

@@ -7,7 +7,8 @@ from typing import Optional
 
 
 def training_curve(rows: list[dict], out: Path, title: str = "training") -> Optional[Path]:
-    """Loss and held-out τ against sequences seen; a dotted line where each later stage begins."""
+    """Loss and held-out τ against sequences seen; a dotted line where each later stage begins, and
+    hollow markers where an earlier stage ended (its decayed drafter, off the line continued)."""
     if not rows:
         return None
     import matplotlib
@@ -18,6 +19,8 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
     # x: sequences seen (earlier stages included) where the log has them, else steps
     xkey = "samples_seen" if all("samples_seen" in r for r in rows) else "step"
+    ends = [r for r in rows if r.get("decayed")]  # an earlier stage's evaluated end, off the line continued
+    rows = [r for r in rows if not r.get("decayed")]
     trained = [r for r in rows if "loss" in r]  # a warm start's opening evaluation has no training loss
     steps = [r[xkey] for r in trained]
     loss = [r["loss"] for r in trained]
@@ -56,6 +59,15 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
                 "^:",
                 color="tab:purple",
                 label="oracle (best of shortlist), random anchors",
+            )
+        if ends and "eval_tau_decode" in ends[-1]:
+            ax[1].plot(
+                [r[xkey] for r in ends],
+                [r["eval_tau_decode"] for r in ends],
+                "D",
+                mfc="none",
+                color="tab:olive",
+                label="as decoded, each stage's decayed end",
             )
         ax[1].legend(fontsize=8)
     xlabel = "sequences seen" if xkey == "samples_seen" else "step"

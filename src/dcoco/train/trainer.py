@@ -328,7 +328,19 @@ class Trainer:
         if finished_on_start and self.lead:  # started again after the last step: re-export (e.g. new defaults)
             self.export(self.out / "drafter")
         if self.lead:
+            self.keep_decayed_end()
             self.plot()
+
+    def keep_decayed_end(self) -> None:
+        """`run.out/stable`'s curve also carries this stage's evaluations past it, marked `decayed`: the
+        next stage continues from `stable/`, and its curve would otherwise lose the evaluated end of
+        every stage before it (the drafter each stage shipped)."""
+        stable = self.out / "stable" / CURVE_LOG
+        if not stable.exists() or self.step < self.cfg.optim.steps:
+            return
+        kept = [r for r in read_log(stable) if not (r.get("decayed") and r.get("stage") == self.stage)]
+        ends = [{**r, "stage": self.stage, "decayed": True} for r in read_log(self.log_path)]
+        write_log(stable, kept + [r for r in ends if r["step"] > self.decay_start and "eval_loss" in r])
 
     @property
     def lead(self) -> bool:
