@@ -9,10 +9,12 @@ count. Steps run as `dcoco train` runs them: oneDNN's kernel cache capped, the h
 units, docs/training.md).
 
   python scripts/train_throughput.py --data DIR [--config configs/dflash_smollm2.yaml] \
-      [--shapes 1x4x16,2x4x16,2x8x32,2x8x64] [--steps 5] [--dtype bfloat16|float32] --out DIR
+      [--shapes 1x4x16,2x4x16,2x8x32,2x8x64] [--steps 5] [--dtype bfloat16|float32] [--profile] --out DIR
 
 A shape is THREADSxSEQUENCESxANCHORS, optionally followed by `:key=value` config overrides of its
-own (e.g. `2x4x64:drafter.draft_vocab_loss=true`). Writes DIR/train_throughput.{json,md,png}.
+own (e.g. `2x4x64:drafter.draft_vocab_loss=true`). Writes DIR/train_throughput.{json,md,png};
+`--profile` also three more steps per shape under torch's profiler, their top operators by own CPU time
+in DIR/profile_N_SHAPE.txt (where a step's time goes beyond its matrix products).
 """
 
 from __future__ import annotations
@@ -48,7 +50,18 @@ def matmul_peak(threads: int, dtype: torch.dtype, n: int = 2048, repeats: int = 
     return 2 * n**3 / best / 1e12
 
 
-def measure(config: str, data: list[str], target, threads: int, seqs: int, anchors: int, steps: int, extra) -> dict:
+def profile_steps(tr: Trainer, out: Path, steps: int = 3) -> None:
+    """The top operators of `steps` training steps by their own CPU time, as torch's profiler tables them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            tr.train_step()
+            trim_heap()
+    out.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20) + "\n")
+
+
+def measure(
+    config: str, data: list[str], target, threads: int, seqs: int, anchors: int, steps: int, extra, profile_to=None
+) -> dict:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as run:
         over = [
@@ -79,6 +92,8 @@ def measure(config: str, data: list[str], target, threads: int, seqs: int, ancho
             with counter.counting():
                 tr.train_step()
             flop, flop_tokens = flop + counter.total, flop_tokens + tr.batch_tokens
+        if profile_to is not None:
+            profile_steps(tr, profile_to)
     tflops = flop / flop_tokens * tokens / dt / 1e12
     return {
         "threads": threads,
@@ -101,6 +116,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default="runs/train-throughput")
+    ap.add_argument("--profile", action="store_true", help="also each shape's top operators (profile_N_SHAPE.txt)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every shape, e.g. drafter.num_layers=1")
     args = ap.parse_args()
     cap_kernel_cache()  # before oneDNN's first kernel
@@ -113,8 +129,12 @@ def main() -> None:
         shapes.append((*(int(v) for v in dims.split("x")), own))
     peaks = {t: round(matmul_peak(t, target.dtype), 3) for t in sorted({s[0] for s in shapes})}
     rows = []
-    for threads, seqs, anchors, own in shapes:
-        row = measure(args.config, args.data, target, threads, seqs, anchors, args.steps, [*args.overrides, *own])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (threads, seqs, anchors, own) in enumerate(shapes):
+        profile_to = out / f"profile_{i + 1}_{threads}x{seqs}x{anchors}.txt" if args.profile else None
+        extra = [*args.overrides, *own]
+        row = measure(args.config, args.data, target, threads, seqs, anchors, args.steps, extra, profile_to)
         row["overrides"] = own
         row["peak_tflops"] = peaks[threads]
         row["of_peak"] = round(row["tflops"] / peaks[threads], 3)
@@ -124,8 +144,6 @@ def main() -> None:
     for r in rows:
         r["sequences_vs_first"] = round(r["sequences_per_s"] / base["sequences_per_s"], 2)
         r["blocks_vs_first"] = round(r["blocks_per_s"] / base["blocks_per_s"], 2)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     info = {
         **machine_info("cpu", args.dtype),
         "commit": git_commit(),
@@ -148,7 +166,8 @@ def main() -> None:
         )
     peak_txt = ", ".join(f"{v} TFLOPS at {k} thread{'s' if k > 1 else ''}" for k, v in peaks.items())
     (out / "train_throughput.md").write_text(
-        f"Drafter training throughput, `{args.config}` {' '.join(args.overrides)}, online target features, "
+        f"Drafter training throughput, `{args.config}` {' '.join(args.overrides)}, "
+        "target features online unless overridden, "
         f"{info.get('cpu', '')}; {args.dtype} matmul peak {peak_txt}; commit {info['commit']}\n\n"
         + "\n".join(lines)
         + "\n"
