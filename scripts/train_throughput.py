@@ -24,6 +24,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -50,17 +51,33 @@ def matmul_peak(threads: int, dtype: torch.dtype, n: int = 2048, repeats: int = 
     return 2 * n**3 / best / 1e12
 
 
+def run_steps(tr: Trainer, steps: int) -> int:
+    """`steps` training steps as `dcoco train` takes them (the heap trimmed after each); their tokens."""
+    tokens = 0
+    for _ in range(steps):
+        tr.train_step()
+        trim_heap()
+        tokens += tr.batch_tokens
+    return tokens
+
+
 def profile_steps(tr: Trainer, out: Path, steps: int = 3) -> None:
     """The top operators of `steps` training steps by their own CPU time, as torch's profiler tables them."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            tr.train_step()
-            trim_heap()
+        run_steps(tr, steps)
     out.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20) + "\n")
 
 
 def measure(
-    config: str, data: list[str], target, threads: int, seqs: int, anchors: int, steps: int, extra, profile_to=None
+    config: str,
+    data: list[str],
+    target,
+    threads: int,
+    seqs: int,
+    anchors: int,
+    steps: int,
+    extra,
+    profile_to: Optional[Path] = None,
 ) -> dict:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as run:
@@ -79,12 +96,8 @@ def measure(
         ]
         tr = Trainer(load_config(config, over), target, RegeneratedUnion(data))
         tr.train_step()  # warm-up
-        tokens, blocks = 0, 0
         t0 = time.perf_counter()
-        for _ in range(steps):
-            tr.train_step()
-            trim_heap()
-            tokens += tr.batch_tokens
+        tokens = run_steps(tr, steps)
         dt = time.perf_counter() - t0
         blocks = steps * seqs * anchors
         counter, flop, flop_tokens = StepFlops(), 0, 0

@@ -336,7 +336,7 @@ class Trainer:
         next stage continues from `stable/`, and its curve would otherwise lose the evaluated end of
         every stage before it (the drafter each stage shipped)."""
         stable = self.out / "stable" / CURVE_LOG
-        if not stable.exists() or self.step < self.cfg.optim.steps:
+        if not stable.exists():
             return
         kept = [r for r in read_log(stable) if not (r.get("decayed") and r.get("stage") == self.stage)]
         ends = [{**r, "stage": self.stage, "decayed": True} for r in read_log(self.log_path)]
