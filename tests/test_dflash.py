@@ -10,6 +10,7 @@ from conftest import random_prompts, tiny_target
 
 from dcoco import ConfigError, DrafterMismatchError, SamplingParams
 from dcoco.drafters.dflash import (
+    AnchorGroupAttention,
     BlockDrafter,
     DFlashConfig,
     DFlashModel,
@@ -53,6 +54,34 @@ def test_training_mask_structure():
     assert not ctx[4:].any()  # padding block sees no context
     expected = torch.block_diag(*[torch.ones(2, 2, dtype=torch.bool)] * 3)
     assert torch.equal(blk, expected)  # bidirectional inside a block, nothing across blocks
+
+
+@pytest.mark.parametrize("anchors", [[[3, 9, 10, 17, 25, -1], [2, 4, 30, -1, -1, -1]], [[17, 3, 25, 9, 10, 2]]])
+def test_anchor_groups_attend_as_the_full_mask(anchors):
+    """Group by group (3 blocks each, here) the same attention, values and gradients, as one pass
+    under `training_mask`: sorted anchors with padding blocks, and unsorted ones."""
+    torch.manual_seed(0)
+    anchors = torch.tensor(anchors)
+    S, A = anchors.shape
+    B, T, H, Hkv, D = 2, 32, 6, 2, 8
+    q = torch.randn(S, H, A * B, D, dtype=torch.float64, requires_grad=True)
+    kb, vb = (torch.randn(S, Hkv, A * B, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ck, cv = (torch.randn(S, Hkv, T, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        torch.cat([ck, kb], 2).repeat_interleave(H // Hkv, 1),
+        torch.cat([cv, vb], 2).repeat_interleave(H // Hkv, 1),
+        attn_mask=training_mask(anchors, T, B),
+    )
+    attend = AnchorGroupAttention(anchors, B, group_queries=3 * B)
+    assert len(attend.groups) == 2
+    grouped = attend(q, kb, vb, ck, cv)
+    assert torch.allclose(grouped, full, atol=1e-12)
+    w = torch.randn_like(full)
+    g_full = torch.autograd.grad((full * w).sum(), (q, kb, vb, ck, cv))
+    g_grouped = torch.autograd.grad((grouped * w).sum(), (q, kb, vb, ck, cv))
+    for a, b in zip(g_grouped, g_full):
+        assert torch.allclose(a, b, atol=1e-12)
 
 
 def test_no_label_leaks_into_its_block():

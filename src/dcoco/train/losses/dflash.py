@@ -1,7 +1,7 @@
 """DFlash's training loss: every anchor a opens a block [x_a, MASK, ..., MASK] whose slot k predicts
 x_{a+k}, seeing the target features of positions < a only; all blocks of a sequence run in one pass
-(`training_mask`). Cross-entropy on assistant tokens, weighted by w_k = exp(-(k-1)/gamma) and
-normalised by the weights present. DSpark and DCOCO build on it."""
+(`training_mask`, computed as `AnchorGroupAttention`). Cross-entropy on assistant tokens, weighted by
+w_k = exp(-(k-1)/gamma) and normalised by the weights present. DSpark and DCOCO build on it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...drafters.dflash import DFlashModel, shortlist, training_mask
+from ...drafters.dflash import AnchorGroupAttention, DFlashModel, shortlist
 from ...errors import ConfigError
 from ...nn.layers import at_least_float32
 from ..acceptance import acceptance_from_predictions
@@ -68,8 +68,7 @@ class DrafterLoss:
         emb, positions = self.block_inputs(b.ids.gather(1, anc), anc)
         ctx_pos = torch.arange(T).unsqueeze(0).expand(S, T)
         kv = self.model.context_kv(b.feats.to(emb.dtype), ctx_pos)
-        mask = training_mask(b.anchors, T, B)
-        h = self.model(emb, positions, kv, mask)
+        h = self.model(emb, positions, kv, AnchorGroupAttention(b.anchors, B))
         return h.view(S, A, B, -1)
 
     def block_inputs(self, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor):
