@@ -323,7 +323,7 @@ class AnchorGroupAttention:
     slots (correct for any anchors, short for sorted ones, as `sample_anchors` draws them), and the
     query heads that share a K/V head are stacked into one longer query block instead of repeating
     K/V (`dcoco.nn.attention`). On a 2-core Xeon with AMX, one layer of the DFlash stage's step
-    (4 sequences x 128 blocks of 8, bf16) spends 153 ms in attention forward and backward against 279
+    (4 sequences x 128 blocks of 8, bf16) spends 144 ms in attention forward and backward against 267
     ms under the one mask (docs/training.md#where-a-steps-time-goes). Used as `ContextAttention`'s
     mask function."""
 
