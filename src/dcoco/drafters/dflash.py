@@ -336,7 +336,7 @@ class AnchorGroupAttention:
             self.groups.append((lo * B, (lo + a.shape[1]) * B, L, training_mask(a, L, B)))
 
     def __call__(self, q, kb, vb, ctx_k, ctx_v) -> torch.Tensor:
-        S, H, M, D = q.shape
+        S, H, _, D = q.shape
         Hkv = kb.shape[1]
         n = H // Hkv
         out = []
