@@ -97,9 +97,13 @@ class Evaluator:
         return b, extras
 
     @torch.no_grad()
-    def decoded(self, chunk: int = 64, k: Optional[int] = None) -> dict:
+    def decoded(
+        self, chunk: int = 64, k: Optional[int] = None, predictions: Optional[Callable[[dict], dict]] = None
+    ) -> dict:
         """τ and per-slot acceptance as greedy decoding realizes them, per suffix of the loss's
-        `predictions` ("" = the method's own drafts), with the drafter's default draft length `k`."""
+        `predictions` ("" = the method's own drafts), with the drafter's default draft length `k`.
+        `predictions` replaces the loss's (extras -> {suffix: drafts (S, A, P)}): an ablation's drafts."""
+        predictions = predictions or self.loss.predictions
         if k is None:
             k = self.model.cfg.num_speculative_tokens or self.model.max_draft  # at most the drafts' width
         totals: dict[str, list] = {}
@@ -107,7 +111,7 @@ class Evaluator:
             preds: dict[str, list[torch.Tensor]] = {}
             labels = []
             for b, extras in parts:
-                for key, p in self.loss.predictions(extras).items():
+                for key, p in predictions(extras).items():
                     preds.setdefault(key, []).append(p[0])
                 labels.append(b.labels[0])
             labels = torch.cat(labels)
@@ -165,6 +169,36 @@ def evaluate_checkpoint(
 ) -> dict:
     """Held-out τ of a drafter checkpoint of any family: random anchors and as decoded at T=0, and
     the expected τ at T=1, with per-slot acceptance."""
+    if not set(temperatures) <= {0.0, 1.0}:
+        raise ConfigError(f"--temperatures: dcoco eval measures T=0 and T=1, got {list(temperatures)}")
+    ev, name = checkpoint_evaluator(
+        checkpoint, data_paths, split, 1.0 in temperatures, num_samples, max_length, eval_permille, model, dtype,
+        device, progress,
+    )  # fmt: skip
+    out: dict = {"checkpoint": str(checkpoint), "method": name, "samples": len(ev.samples), "split": split}
+    with torch.device(ev.features.target.device):
+        if 0.0 in temperatures:
+            out["t0"] = {**ev.random_anchors(), **ev.decoded()}
+        if 1.0 in temperatures:
+            out["t1"] = ev.sampled()
+    return out
+
+
+def checkpoint_evaluator(
+    checkpoint: str,
+    data_paths: Sequence[str],
+    split: str = "heldout",
+    sampled: bool = True,
+    num_samples: Optional[int] = 48,
+    max_length: int = 1024,
+    eval_permille: int = 20,
+    model: Optional[str] = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[Evaluator, str]:
+    """An `Evaluator` of a drafter checkpoint of any family on the held-out samples of `data_paths`
+    (`sampled`: with the target's last layer, for T=1), and the family's name."""
     from ..families import LossParts, load_trained
     from ..target import Target
     from .config import DrafterSection
@@ -172,15 +206,13 @@ def evaluate_checkpoint(
 
     if split not in ("heldout", "all"):
         raise ConfigError(f"--split must be heldout or all, got {split!r}")
-    if not set(temperatures) <= {0.0, 1.0}:
-        raise ConfigError(f"--temperatures: dcoco eval measures T=0 and T=1, got {list(temperatures)}")
     family, drafter, raw = load_trained(checkpoint)
     data = RegeneratedUnion(list(data_paths))
     _ = data.manifest  # a missing or mismatched directory fails before the target loads
     target = Target.from_pretrained(model, dtype=dtype, device=device)
     drafter = drafter.to(target.device).eval()
     d = family.settings_from_checkpoint(raw, DrafterSection())
-    last = 1.0 in temperatures or family.reads_last_layer(d)
+    last = sampled or family.reads_last_layer(d)
     features = FeatureSource(target, data, drafter.cfg.taps, last, online=not data.has_features)
     for p in target.model.parameters():
         p.requires_grad_(False)
@@ -202,14 +234,7 @@ def evaluate_checkpoint(
     def autocast():
         return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    ev = Evaluator(loss, features, samples, max_length, autocast, progress=progress)
-    out: dict = {"checkpoint": str(checkpoint), "method": family.name, "samples": len(samples), "split": split}
-    with torch.device(target.device):
-        if 0.0 in temperatures:
-            out["t0"] = {**ev.random_anchors(), **ev.decoded()}
-        if 1.0 in temperatures:
-            out["t1"] = ev.sampled()
-    return out
+    return Evaluator(loss, features, samples, max_length, autocast, progress=progress), family.name
 
 
 def eval_markdown(result: dict) -> str:

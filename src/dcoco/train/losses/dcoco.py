@@ -81,6 +81,8 @@ class DCOCOLoss(DrafterLoss):
             "scores": scores,
             "sampled_scores": hot,
             "vals": vals,
+            "anchor": anchor,  # the walk's position 0 and its hidden state with `anchor_pair`, else None
+            "anchor_hidden": anchor_hidden,
             "walk_labels": labels,
             "metrics": m,
         }
