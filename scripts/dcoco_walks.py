@@ -127,7 +127,7 @@ def main() -> None:
         "draft_slots": k,
         "dtype": args.dtype,
         "commit": git_commit(),
-        "machine": machine_info(),
+        "machine": machine_info("cpu", args.dtype),
         "tau_decode": dict(rows),
     }
     out = Path(args.out)

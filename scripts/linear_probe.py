@@ -134,9 +134,9 @@ def main() -> None:
             args.data,
             "heldout",
             (0.0,),
-            args.eval_samples,
-            args.max_length,
-            args.eval_permille,
+            num_samples=args.eval_samples,
+            max_length=args.max_length,
+            eval_permille=args.eval_permille,
             dtype="bfloat16",
             progress=False,
         )

@@ -159,22 +159,13 @@ def evaluate_checkpoint(
     data_paths: Sequence[str],
     split: str = "heldout",
     temperatures: Sequence[float] = (0.0, 1.0),
-    num_samples: Optional[int] = 48,
-    max_length: int = 1024,
-    eval_permille: int = 20,
-    model: Optional[str] = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    progress: bool = True,
+    **options,
 ) -> dict:
     """Held-out τ of a drafter checkpoint of any family: random anchors and as decoded at T=0, and
-    the expected τ at T=1, with per-slot acceptance."""
+    the expected τ at T=1, with per-slot acceptance. `options`: those of `checkpoint_evaluator`."""
     if not set(temperatures) <= {0.0, 1.0}:
         raise ConfigError(f"--temperatures: dcoco eval measures T=0 and T=1, got {list(temperatures)}")
-    ev, name = checkpoint_evaluator(
-        checkpoint, data_paths, split, 1.0 in temperatures, num_samples, max_length, eval_permille, model, dtype,
-        device, progress,
-    )  # fmt: skip
+    ev, name = checkpoint_evaluator(checkpoint, data_paths, split, sampled=1.0 in temperatures, **options)
     out: dict = {"checkpoint": str(checkpoint), "method": name, "samples": len(ev.samples), "split": split}
     with torch.device(ev.features.target.device):
         if 0.0 in temperatures:
