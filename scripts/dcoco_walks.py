@@ -118,7 +118,7 @@ def main() -> None:
     )
     if method != "dcoco":
         raise SystemExit(f"dcoco_walks.py: {args.checkpoint} is a {method} checkpoint, not dcoco")
-    k = ev.model.cfg.num_speculative_tokens or ev.model.max_draft
+    k = ev.draft_slots
     r = ev.decoded(k=k, predictions=variants(ev.loss, k))
     rows = [(LABELS[key], r[f"eval_tau_decode{key}"]) for key in LABELS]
     result = {

@@ -62,6 +62,11 @@ class Evaluator:
     def model(self) -> torch.nn.Module:
         return self.loss.model
 
+    @property
+    def draft_slots(self) -> int:
+        """The drafter's default draft length: its speculative tokens, at most the drafts' width."""
+        return self.model.cfg.num_speculative_tokens or self.model.max_draft
+
     def _bar(self, items, desc: str):
         from tqdm import tqdm
 
@@ -104,8 +109,7 @@ class Evaluator:
         `predictions` ("" = the method's own drafts), with the drafter's default draft length `k`.
         `predictions` replaces the loss's (extras -> {suffix: drafts (S, A, P)}): an ablation's drafts."""
         predictions = predictions or self.loss.predictions
-        if k is None:
-            k = self.model.cfg.num_speculative_tokens or self.model.max_draft  # at most the drafts' width
+        k = self.draft_slots if k is None else k
         totals: dict[str, list] = {}
         for parts in self._each_sample(chunk, "eval T=0"):
             preds: dict[str, list[torch.Tensor]] = {}
