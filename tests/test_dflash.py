@@ -341,6 +341,54 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
         _ = RegeneratedUnion([root, odd]).manifest
 
 
+def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_out(tiny_data, tmp_path):
+    """Token ids answered in another dtype (a CPU without bf16 matrix units answers in float32) train
+    with the others on online features, while stored features of two dtypes are refused; and
+    `data.eval_path` evaluates another set's hold-out, which is never trained on."""
+    import json
+    import shutil
+
+    from dcoco.train.batch import is_eval_sample
+    from dcoco.train.data import RegeneratedUnion
+
+    target, root = tiny_data
+
+    def as_dtype(d, dtype):
+        m = json.loads((d / "manifest.json").read_text())
+        (d / "manifest.json").write_text(json.dumps({**m, "dtype": dtype}))
+
+    other = "bfloat16" if RegeneratedData(root).manifest["dtype"] != "bfloat16" else "float32"
+    new = tmp_path / "new"
+    rng = random.Random(1)
+    prompts = [Prompt(id=f"n{i}", messages=[rng.randrange(target.vocab_size) for _ in range(6)]) for i in range(20)]
+    taps = RegeneratedData(root).manifest["taps"]
+    regenerate(
+        target,
+        prompts,
+        new,
+        num_samples=20,
+        taps=taps,
+        sampling=SamplingParams(max_tokens=16),
+        progress=False,
+        features=False,
+    )
+    as_dtype(new, other)
+    assert RegeneratedUnion([root, new]).manifest["taps"] == taps
+    odd = tmp_path / "odd"
+    shutil.copytree(root, odd)
+    as_dtype(odd, other)
+    with pytest.raises(ConfigError, match="dtype"):
+        _ = RegeneratedUnion([root, odd]).manifest
+
+    over = {"data.features": "online", "data.eval_path": str(root), "optim.steps": 2, "run.eval_every": 2}
+    tr = Trainer(_cfg(str(new), tmp_path / "run", **over), target, RegeneratedUnion([new]))
+    held = [s["id"] for s in RegeneratedData(root).samples() if is_eval_sample(s["id"], 200)]
+    assert held and [s["id"] for s in tr.eval_samples] == held[:6]
+    assert tr.train_samples and all(s["id"].startswith("n") for s in tr.train_samples)
+    tr.run(progress=False)
+    assert any("eval_loss" in r for r in tr.curve_rows())
+
+
 def _cfg(root, out, **over):
     base = {
         "data.path": str(root),

@@ -28,6 +28,10 @@ class DataSection(_Section):
     max_length: int = 1024  # tokens per sequence (prompt + response), longer ones are cut
     eval_permille: int = 20  # share of regenerated samples held out (by a fixed hash of the sample id)
     eval_samples: int = 48  # at most this many of them are evaluated
+    # evaluate the hold-out of these directories instead of data.path's: a stage trained on new
+    # answers alone stays measured on the samples its curve was measured on (never trained on either
+    # way: a held-out id is held out of every directory)
+    eval_path: Union[str, list[str], None] = None
     # train on this many of the training samples, drawn by optim.seed (None: all). A stage on a fresh
     # machine with data.features=cached computes a subset's features once, then re-reads them for
     # its later epochs at a third of the cost; the next stage's seed draws another subset

@@ -132,10 +132,11 @@ class RegeneratedUnion:
     """Several regenerated-data directories read as one training set (each regenerated, or packed:
     `dcoco.train.packed`): e.g. two regeneration processes run side by side on disjoint prompt lists,
     or the target's answers to the same prompts at another temperature. They must come from the same
-    target, taps and dtype (with or without stored features); a sample id present twice under the
-    same sampling settings is read once."""
+    target and taps; those that store features, also from the same dtype (token ids answered in
+    float32 and in bf16 train together on online features, which the training target recomputes);
+    a sample id present twice under the same sampling settings is read once."""
 
-    MUST_MATCH = ("target_vocab_size", "target_hidden_size", "target_num_layers", "taps", "tap_convention", "dtype")
+    MUST_MATCH = ("target_vocab_size", "target_hidden_size", "target_num_layers", "taps", "tap_convention")
 
     def __init__(self, roots: str | Path | Sequence[str | Path]):
         roots = [roots] if isinstance(roots, (str, Path)) else list(roots)
@@ -154,6 +155,12 @@ class RegeneratedUnion:
                 raise ConfigError(
                     f"{part.root} and {self.parts[0].root} differ in {diff}: they cannot be trained on together"
                 )
+        stored = {str(p.root): p.manifest.get("dtype") for p in self.parts if p.has_features}
+        if len(set(stored.values())) > 1:
+            raise ConfigError(
+                f"the features stored in {', '.join(stored)} differ in dtype ({stored}): "
+                "they cannot be trained on together"
+            )
         return first
 
     @property

@@ -91,10 +91,18 @@ class Trainer:
         check_data(target, data, online)
         # at least two response tokens within data.max_length: an anchor and its label
         cut = cfg.data.max_length
-        samples = [s for s in data.samples() if min(len(s["input_ids"]), cut) - s["prompt_len"] >= 2]
-        held = [is_eval_sample(s["id"], cfg.data.eval_permille) for s in samples]
-        self.eval_samples = [s for s, h in zip(samples, held) if h][: cfg.data.eval_samples]
-        self.train_samples = [s for s, h in zip(samples, held) if not h]
+
+        def usable(union: RegeneratedUnion) -> list[dict]:
+            return [s for s in union.samples() if min(len(s["input_ids"]), cut) - s["prompt_len"] >= 2]
+
+        samples = usable(data)
+        self.train_samples = [s for s in samples if not is_eval_sample(s["id"], cfg.data.eval_permille)]
+        eval_data = data if cfg.data.eval_path is None else RegeneratedUnion(cfg.data.eval_path)
+        if eval_data is not data:
+            check_data(target, eval_data, online)
+        pool = samples if eval_data is data else usable(eval_data)
+        held = [s for s in pool if is_eval_sample(s["id"], cfg.data.eval_permille)]
+        self.eval_samples = held[: cfg.data.eval_samples]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
         subset = cfg.data.train_samples
@@ -111,6 +119,9 @@ class Trainer:
         last = self.family.reads_last_layer(d)
         cache = cfg.data.feature_cache if cfg.data.features == "cached" else None
         self.features = FeatureSource(target, data, self.model.cfg.taps, last, online, cache)
+        eval_features = self.features
+        if eval_data is not data:  # stored features are read from the directory that holds the sample
+            eval_features = FeatureSource(target, eval_data, self.model.cfg.taps, last, online, cache)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         for p in target.model.parameters():
@@ -128,7 +139,7 @@ class Trainer:
             check_context_parallel(p, str(self.device))
             join_launched_job(p.context)
             self.rank = dist.get_rank()
-        self.evaluator = Evaluator(self.loss, self.features, self.eval_samples, cfg.data.max_length, self.autocast)
+        self.evaluator = Evaluator(self.loss, eval_features, self.eval_samples, cfg.data.max_length, self.autocast)
         self.opt = drafter_optimizer(self.model, o.lr, o.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
         self.step = 0
@@ -163,6 +174,7 @@ class Trainer:
                 "threads": torch.get_num_threads(),
                 "device": device_label(str(self.device)),
                 "data": str(self.cfg.data.path),
+                "eval_data": str(self.cfg.data.eval_path or self.cfg.data.path),
                 "config": self.cfg.model_dump(),
             }
         }
