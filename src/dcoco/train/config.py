@@ -34,14 +34,14 @@ class DataSection(_Section):
     eval_path: Union[str, list[str], None] = None
     # train on this many of the training samples, drawn by optim.seed (None: all). A stage on a fresh
     # machine with data.features=cached computes a subset's features once, then re-reads them for
-    # its later epochs at a third of the cost; the next stage's seed draws another subset
+    # its later epochs at about half the cost; the next stage's seed draws another subset
     train_samples: Optional[int] = Field(None, ge=1)
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
     # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a
     # step on a CPU); cached: online the first time a sequence comes, then read from `feature_cache`
     features: Literal["stored", "online", "cached"] = "stored"
     # data.features=cached: the cache directory (grows by the features of every sequence seen, bf16:
-    # about 5.8 KB per token for 5 taps of SmolLM2); reused by later runs and stages on the same data
+    # about 6.9 KB per token for 5 taps of SmolLM2 and its last layer); reused by later runs and stages on the same data
     feature_cache: str = "feature-cache"
 
 

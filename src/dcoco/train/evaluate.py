@@ -7,7 +7,7 @@
   measures on those prompts, up to bf16 rounding. Random anchors overstate it: a stretch the
   drafter predicts well counts once per anchor in it, but decoding crosses it in one block.
 - At T=1 (`sampled`): per slot, the probability that sampled verification accepts the draft,
-  sum_x min(p(x), q(x)) with p the target's distribution (from the stored last layer) and q the
+  sum_x min(p(x), q(x)) with p the target's distribution (from its last layer, stored or recomputed) and q the
   drafter's, teacher-forced on the data; τ = 1 + the expected accepted prefix over every
   response position. Meant for data the target sampled at T=1.
 
