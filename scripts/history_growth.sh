@@ -3,7 +3,7 @@
 # the text of their diffs (binary files as git's base85 patches). Stage checkpoints dominate both:
 # each stage replaces tens of MB of weights, and every replaced version stays in the history, so
 # commit a stage's drafters once, when it ends.
-#   scripts/history_growth.sh BASE      # e.g. the commit a working session started from
+#   scripts/history_growth.sh BASE      # e.g. the commit a stage started from
 set -euo pipefail
 base=${1:?usage: scripts/history_growth.sh BASE}
 git rev-parse --verify -q "$base^{commit}" >/dev/null || { echo "history_growth.sh: no commit $base" >&2; exit 2; }
