@@ -166,13 +166,15 @@ def engine_lossless_pvalue(target, drafter, sp, n: int = 4000, k: int = 2, seed:
     next two from a speculative pass) and test their joint distribution against the target's.
     Returns (p-value, run stats)."""
     from dcoco.engine import SpeculativeEngine
+    from dcoco.metrics import SpecStats
 
     sp = sp.model_copy(update={"max_tokens": 3})
-    samples = []
+    samples, total = [], SpecStats()
     for start in range(0, n, 1000):
         params = [sp.model_copy(update={"seed": 7919 * i + seed}) for i in range(start, min(n, start + 1000))]
         outs, stats = SpeculativeEngine(target, drafter, k, max_batch_size=1000).generate(
             [LOSSLESS_PROMPT] * len(params), params
         )
         samples += [tuple(o.token_ids) for o in outs]
-    return chi_square_pvalue(samples, exact_joint(target.model, LOSSLESS_PROMPT, sp)), stats
+        total.merge(stats)
+    return chi_square_pvalue(samples, exact_joint(target.model, LOSSLESS_PROMPT, sp)), total

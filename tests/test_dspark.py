@@ -84,8 +84,8 @@ def test_markov_walk_matches_reference(anchor_slot):
             z = U[b, j] + W2 @ W1[prev]
             assert int(out.tokens[b, j]) == int(z.argmax())
             prev = int(out.tokens[b, j])
-    plain = BlockDrafter(model, target).propose(draft_input(target)).tokens
-    assert not torch.equal(out.tokens, plain) or anchor_slot  # the head changes DFlash's choices
+    # the head changes the backbone's own choices (argmax of U alone) somewhere
+    assert not torch.equal(out.tokens[:, :5], U[:, :5].argmax(-1))
 
 
 def test_confidence_truncation_policy():
@@ -182,8 +182,6 @@ def test_loss_terms_match_hand_computation():
     assert m["confidence_loss"] == pytest.approx(float(hand[2]), rel=1e-4)
     assert torch.allclose(ex["accept"], y.detach().clamp(0, 1))
     assert loss.item() == pytest.approx(float(0.1 * hand[0] + 0.9 * hand[1] + hand[2]), rel=1e-4)
-    # the L1 distance on a case small enough to do by hand
-    assert float((torch.tensor([1.0, 0, 0]) - torch.tensor([0.5, 0.5, 0])).abs().sum()) == 1.0
     loss.backward()
     assert model.markov_head.w2.weight.grad.abs().sum() > 0 and model.confidence_head.proj.weight.grad.abs().sum() > 0
 

@@ -136,13 +136,20 @@ def test_taps_capture_hidden_states(target):
     target.set_taps((0, 1, target.num_layers))
     try:
         kv, out = target.prefill(prompts)
+        # HF's last hidden state has the final norm applied: the last layer's own output is hooked
+        cap = {}
+        hook = target.model.model.layers[-1].register_forward_hook(
+            lambda m, i, o: cap.setdefault("last", o[0] if isinstance(o, tuple) else o)
+        )
         with torch.no_grad():
             ref = target.model(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+        hook.remove()
         H = target.hidden_size
         f = out.features[0, : len(prompts[0])]
         assert f.shape[-1] == 3 * H
         assert torch.allclose(f[:, :H], ref[0][0], atol=1e-5)
         assert torch.allclose(f[:, H : 2 * H], ref[1][0], atol=1e-5)
+        assert torch.allclose(f[:, 2 * H :], cap["last"][0], atol=1e-5)
     finally:
         target.set_taps(())
 
