@@ -127,3 +127,75 @@ def test_eval_help_lists_its_options(capsys):
     assert e.value.code == 0
     for opt in ("--data", "--split", "--eval-permille", "--temperatures", "--num-samples", "--out", "--dtype"):
         assert opt in out
+
+
+def _bad_inputs(tmp_path, tiny_dir) -> dict[str, tuple[list[str], str]]:
+    """Command lines a user gets wrong, each with a word its one-line error must contain."""
+    cfg = "configs/dflash_smollm2.yaml"
+    binary = tmp_path / "curve.png"
+    binary.write_bytes(bytes(range(256)) * 4)
+    numbered = tmp_path / "numbered.yaml"
+    numbered.write_text("1: x\n")
+    shipped = "src/dcoco/checkpoints/smollm2-135m-instruct/dflash"
+    torn = tmp_path / "torn-ckpt"
+    torn.mkdir()
+    (torn / "config.json").write_text(open(f"{shipped}/config.json").read())
+    (torn / "model.safetensors").write_bytes(b"\x00" * 64)
+    listed = tmp_path / "list-ckpt"
+    listed.mkdir()
+    (listed / "config.json").write_text("[]")
+    (listed / "model.safetensors").write_bytes(b"")
+    regenerated = tmp_path / "regenerated"
+    regenerated.mkdir()
+    (regenerated / "manifest.json").write_text("{}")
+    broken = tmp_path / "broken-data"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+    packed = "corpus/smollm2-135m-instruct/sharegpt-all-t1"
+    return {
+        "override YAML": (["train", "--config", cfg, "data.path=[a"], "invalid YAML value"),
+        "binary config": (["train", "--config", str(binary)], "invalid YAML"),
+        "numbered sections": (["train", "--config", str(numbered)], "section names"),
+        "eval_every 0": (["train", "--config", cfg, "run.eval_every=0"], "run.eval_every"),
+        "batch_size 0": (["train", "--config", cfg, "optim.batch_size=0"], "optim.batch_size"),
+        "threads -1": (["generate", "--prompt", "hi", "--model", tiny_dir, "--threads", "-1"], "--threads"),
+        "unknown device": (["generate", "--prompt", "hi", "--model", tiny_dir, "--device", "nosuch"], "device"),
+        "torn weights": (["eval", str(torn), "--data", packed], "safetensors"),
+        "config a list": (["eval", str(listed), "--data", packed], "not a model config"),
+        "pack into regenerated": (["data", "pack", str(regenerated), "--out", str(regenerated)], "not packed"),
+        "prompts from packed": (["data", "prompts", str(tmp_path / "p.jsonl"), "--from", packed], "token ids"),
+        "corrupt manifest": (["eval", shipped, "--data", str(broken)], "invalid JSON"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "override YAML",
+        "binary config",
+        "numbered sections",
+        "eval_every 0",
+        "batch_size 0",
+        "threads -1",
+        "unknown device",
+        "torn weights",
+        "config a list",
+        "pack into regenerated",
+        "prompts from packed",
+        "corrupt manifest",
+    ],
+)
+def test_bad_files_and_values_give_one_line_errors(capsys, tmp_path, tiny_dir, case):
+    args, needle = _bad_inputs(tmp_path, tiny_dir)[case]
+    code, out, err = run_cli(capsys, *args)
+    lines = [l for l in err.strip().splitlines() if l]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("dcoco: error:") and needle in lines[0], err
+
+
+def test_an_unwritable_output_path_is_a_one_line_error(capsys, tmp_path):
+    """A path the user names that cannot be written (its folder is a file) fails in one line."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = run_cli(capsys, "data", "prompts", str(blocker / "p.jsonl"), "--limit", "1")
+    lines = [l for l in err.strip().splitlines() if l]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("dcoco: error:"), err

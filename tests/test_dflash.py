@@ -757,6 +757,15 @@ def test_packed_tokens_round_trip_append_and_train(tiny_data, tmp_path):
         Trainer(_cfg(str(tmp_path / "again"), tmp_path / "s"), target, RegeneratedUnion([tmp_path / "again"]))
 
 
+def test_resume_with_a_reshaped_drafter_is_a_config_error(tiny_data, tmp_path):
+    """A run resumed with a config that changes a weight's shape says so in one line."""
+    target, root = tiny_data
+    out = tmp_path / "run"
+    Trainer(_cfg(root, out, **{"optim.steps": 1}), target, RegeneratedData(root)).run(progress=False)
+    with pytest.raises(ConfigError, match="does not match the config"):
+        Trainer(_cfg(root, out, **{"optim.steps": 2, "drafter.intermediate_size": 24}), target, RegeneratedData(root))
+
+
 def test_time_budget_sets_the_steps_and_survives_resume(tiny_data, tmp_path):
     import json
 

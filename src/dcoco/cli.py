@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .errors import DcocoError, InvalidPromptError
+from .errors import ConfigError, DcocoError, InvalidPromptError
 
 # MT-Bench question 81, turn 1 (the benchmark's first prompt). The earlier code prompt sent the
 # 135M model into a repetition loop, which showed more about the model than about drafting.
@@ -329,7 +329,10 @@ def _read_prompts(args) -> list[str]:
             path = Path(args.prompt_file)
             if not path.is_file():
                 raise InvalidPromptError(f"prompt file not found: {path}")
-            text = path.read_text(encoding="utf-8")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise InvalidPromptError(f"{path}: not UTF-8 text") from None
             if path.suffix == ".jsonl":
                 for n, line in enumerate(text.splitlines(), 1):
                     if not line.strip():
@@ -354,6 +357,8 @@ def _setup(args) -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if args.threads is not None and args.threads < 0:
+        raise ConfigError(f"--threads must be 0 (torch's choice) or more, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -574,6 +579,8 @@ def cmd_eval(args) -> int:
     except ValueError:
         raise InvalidPromptError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
     _setup(args)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the evaluation
     result = evaluate_checkpoint(
         args.checkpoint,
         args.data,
@@ -594,7 +601,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_rl(args) -> int:
-    from .errors import ConfigError
 
     if args.overrides and args.overrides[0] == "compare":
         from .rl.report import compare
@@ -651,6 +657,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except DcocoError as e:
+        print(f"dcoco: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user named cannot be read or written (missing parent, a file for a folder, ...)
         print(f"dcoco: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

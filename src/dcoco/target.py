@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .errors import InvalidPromptError, ModelNotFoundError, PromptTooLongError
+from .errors import ConfigError, InvalidPromptError, ModelNotFoundError, PromptTooLongError
 from .kv import KVBatch, pad_rows
 from .nn.attention import EXACT_NAME as EXACT_GQA
 from .nn.attention import NAME as PACKED_GQA
@@ -121,7 +121,10 @@ class Target:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
         except (OSError, ValueError) as e:
             raise ModelNotFoundError(f"cannot load model from {path}: {str(e).splitlines()[0]}") from None
-        model.to(device)
+        try:
+            model.to(device)
+        except (RuntimeError, AssertionError) as e:  # an unknown device, or CUDA missing from this torch
+            raise ConfigError(f"device {device!r} is not available: {str(e).splitlines()[0]}") from None
         quantize_linears(model, quantization)
         tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
         return cls(model, tokenizer, exact=exact)

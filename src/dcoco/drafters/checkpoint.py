@@ -49,7 +49,12 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         config = json.loads(cfg.read_text())
     except json.JSONDecodeError as e:
         raise ModelNotFoundError(f"{cfg}: invalid JSON ({e.msg})") from None
-    return config, load_file(str(weights))
+    if not isinstance(config, dict):
+        raise ModelNotFoundError(f"{cfg}: not a model config (a JSON object)")
+    try:
+        return config, load_file(str(weights))
+    except Exception as e:  # safetensors' own error type (a torn or foreign file) is not an OSError
+        raise ModelNotFoundError(f"{weights}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], path) -> None:

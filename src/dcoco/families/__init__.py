@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..drafters.checkpoint import load_checkpoint
-from ..errors import ModelNotFoundError, UnknownMethodError
+from ..errors import DcocoError, ModelNotFoundError, UnknownMethodError
 from .base import Family, LossParts, ModelSource
 from .dcoco import DCOCO
 from .dflash import DFLASH
@@ -72,7 +72,13 @@ def load_trained(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[
     """A drafter checkpoint directory of any family: (its family, its model in `dtype`, its config.json)."""
     raw, state = load_checkpoint(path)
     fam = family_of(raw, path)
-    return fam, fam.read(raw, state, path).to(dtype), raw
+    try:
+        model = fam.read(raw, state, path)
+    except DcocoError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a config.json edited or written by another tool
+        raise ModelNotFoundError(f"{path}: config.json does not describe a {fam.name} drafter ({e!r})") from None
+    return fam, model.to(dtype), raw
 
 
 def load_drafter_model(name: str, path: Optional[str | Path], dtype: torch.dtype = torch.float32):

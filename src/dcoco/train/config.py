@@ -87,7 +87,7 @@ class OptimSection(_Section):
     # the measured pace (the schedule then anneals on time); the resulting steps are logged and kept
     time_budget_s: Optional[float] = None
     time_budget_probe: int = 20
-    batch_size: int = 8  # sequences per step
+    batch_size: int = Field(8, ge=1)  # sequences per step
     anchors_per_seq: int = 16  # blocks sampled per sequence
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
@@ -103,13 +103,13 @@ class OptimSection(_Section):
     loss_decay_gamma: float = 7.0  # w_k = exp(-(k-1)/gamma)
     seed: int = 0
     autocast_bf16: bool = True
-    threads: Optional[int] = None
+    threads: Optional[int] = Field(None, ge=0)  # torch CPU threads (None or 0: torch's choice)
 
 
 class RunSection(_Section):
     out: str = "runs/dflash-smollm2"
-    checkpoint_every: int = 100
-    eval_every: int = 250
+    checkpoint_every: int = Field(100, ge=1)
+    eval_every: int = Field(250, ge=1)
     flops_every: int = 10  # count the matmul FLOPs of every N-th step (logs gflop, tflops); 0: never
     # `dcoco train` saves and starts itself again every N steps (0: never): within one process the
     # pace falls 10-20% over a few hundred steps, a fresh one regains it (docs/training.md#memory);
@@ -185,15 +185,19 @@ def parse_config(cls: type[C], path: Optional[str], overrides: tuple[str, ...] |
             raise ConfigError(f"config file not found: {p}")
         try:
             tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
+        if not isinstance(tree, dict) or not all(isinstance(k, str) for k in tree):
+            raise ConfigError(f"{p}: the top level must be a mapping of section names")
     for o in overrides:
         if "=" not in o:
             raise ConfigError(f"override {o!r} must look like section.key=value")
         k, v = o.split("=", 1)
-        _set(tree, k.strip(), yaml.safe_load(v))
+        try:
+            value = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {o!r}: invalid YAML value ({str(e).splitlines()[0]})") from None
+        _set(tree, k.strip(), value)
     try:
         return cls(**tree)
     except ValidationError as e:

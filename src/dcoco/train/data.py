@@ -42,7 +42,7 @@ from ..drafters.base import Drafter, DraftInput, DraftOutput
 from ..engine import SpeculativeEngine
 from ..errors import ConfigError
 from ..sampling import SamplingParams
-from .packed import PackedData, is_packed
+from .packed import PackedData, is_packed, read_manifest
 
 LENGTH_WINDOW = 4  # prompts are answered in windows of this many batches, each sorted by length
 
@@ -88,7 +88,16 @@ def _read_lines(path: Path, repair: bool = False) -> list[dict]:
     if repair and good_end < len(raw):
         with open(path, "r+b") as f:
             f.truncate(good_end)
-    return [json.loads(l) for l in raw[:good_end].decode("utf-8").splitlines() if l.strip()]
+    rows = []
+    for n, line in enumerate(raw[:good_end].decode("utf-8", errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: line {n} is not JSON ({e.msg})") from None
+            if not isinstance(rows[-1], dict):
+                raise ConfigError(f"{path}: line {n} is not a JSON object")
+    return rows
 
 
 class RegeneratedData:
@@ -104,7 +113,7 @@ class RegeneratedData:
     def manifest(self) -> dict:
         if not self.manifest_path.exists():
             raise ConfigError(f"not a regenerated-data directory (no manifest.json): {self.root}")
-        return {"features": True, **json.loads(self.manifest_path.read_text())}  # older manifests: features stored
+        return {"features": True, **read_manifest(self.manifest_path)}  # older manifests: features stored
 
     @property
     def has_features(self) -> bool:
@@ -389,6 +398,10 @@ def select_prompts(
 
     if sources:
         rows = RegeneratedUnion(list(sources)).samples()
+        if any("conversations" not in s for s in rows):
+            raise ConfigError(
+                "packed directories hold token ids, not the prompts' text: take prompts from the regenerated ones"
+            )
         found = (Prompt(s["id"], [{"role": "user", "content": first_user_turn(s["conversations"])}]) for s in rows)
         prompts: Iterable[Prompt] = (p for p in found if p.messages[0]["content"] is not None)
     else:

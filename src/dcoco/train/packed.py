@@ -54,9 +54,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_manifest(path: Path) -> dict:
+    """A data directory's manifest.json, or one line saying what is wrong with it."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{path}: not a data manifest (a JSON object)")
+    return manifest
+
+
 def is_packed(root: str | Path) -> bool:
     p = Path(root) / "manifest.json"
-    return p.exists() and json.loads(p.read_text()).get("format") == FORMAT
+    return p.exists() and read_manifest(p).get("format") == FORMAT
 
 
 class PackedData:
@@ -70,7 +81,7 @@ class PackedData:
     def manifest(self) -> dict:
         if not self.manifest_path.exists():
             raise ConfigError(f"not a packed data directory (no manifest.json): {self.root}")
-        return json.loads(self.manifest_path.read_text())
+        return read_manifest(self.manifest_path)
 
     has_features = False
 
@@ -124,6 +135,8 @@ def pack(parts: Sequence, out: str | Path) -> dict:
         if diff:
             raise ConfigError(f"{p.root} and {parts[0].root} differ in {diff}: pack them into separate directories")
     packed = PackedData(out)
+    if packed.manifest_path.exists() and not is_packed(out):
+        raise ConfigError(f"{out} holds data that is not packed: pack into a new directory")
     if packed.manifest_path.exists():
         manifest = packed.manifest
         diff = [k for k in SAME_SETTINGS if manifest.get(k) != first.get(k)]

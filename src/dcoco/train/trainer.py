@@ -406,7 +406,11 @@ class Trainer:
         if not path.exists():
             return
         st = torch.load(path, weights_only=False, map_location="cpu")
-        missing, unexpected = self.model.load_state_dict(st["model"], strict=False)
+        try:
+            missing, unexpected = self.model.load_state_dict(st["model"], strict=False)
+        except RuntimeError as e:  # a weight of another shape: the config changed since the run started
+            reason = str(e).splitlines()[-1].strip()
+            raise ConfigError(f"{path}: saved model does not match the config ({reason})") from None
         if set(missing) - {"draft_ids"} or unexpected:  # runs saved before draft vocabularies keep the new one
             raise ConfigError(
                 f"{path}: saved model does not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
