@@ -549,6 +549,8 @@ def test_cli_serve_arguments(capsys):
     )
     assert main(["serve", "--max-queue", "0"]) == 2
     assert "--max-queue must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be 0-65535" in capsys.readouterr().err
 
 
 def test_loadgen_smoke(server, tiny_dir, tmp_path):

@@ -105,6 +105,8 @@ def run_server(args) -> int:
 
     if args.max_queue < 1:
         raise ConfigError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not 0 <= args.port <= 65535:  # checked before the model loads, not by the socket after it
+        raise ConfigError(f"--port must be 0-65535, got {args.port}")
     for flag, v in (
         ("--max-tokens-in-flight", args.max_tokens_in_flight),
         ("--default-max-tokens", args.default_max_tokens),
