@@ -80,6 +80,14 @@ def test_every_module_imports(name):
     importlib.import_module(name)
 
 
+def test_every_public_name_resolves():
+    """`from dcoco import X` works for every name the package lists (they are imported lazily)."""
+    import dcoco
+
+    for name in dcoco.__all__:
+        assert getattr(dcoco, name) is not None, name
+
+
 def test_no_import_cycle():
     graph = {n: imported_modules(n, p) for n, p in MODULES.items()}
     assert find_cycle(graph) == []

@@ -41,7 +41,7 @@ def test_topk_keeps_ties():
 )
 def test_invalid_params(kwargs):
     with pytest.raises(InvalidSamplingParamsError):
-        SamplingParams.make(**kwargs)
+        SamplingParams(**kwargs)
 
 
 def test_aliases():

@@ -10,11 +10,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "api",
-    "METHODS": "drafters",
+    "METHODS": "speculative",
     "Drafter": "drafters",
     "DraftInput": "drafters",
     "DraftOutput": "drafters",
-    "SpeculativeConfig": "drafters",
+    "SpeculativeConfig": "speculative",
     "GenerationOutput": "engine",
     "SpeculativeEngine": "engine",
     "ConfigError": "errors",

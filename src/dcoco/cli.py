@@ -369,7 +369,7 @@ def cmd_generate(args) -> int:
     from .speculative import SpeculativeConfig, config_of_args
 
     prompts = _read_prompts(args)
-    sp = SamplingParams.make(
+    sp = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -504,7 +504,7 @@ def cmd_data(args) -> int:
         prompts = reversed(list(prompts))
     if shard is not None:
         prompts = itertools.islice(prompts, shard[0], None, shard[1])
-    sp = SamplingParams.make(
+    sp = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
         max_tokens=args.max_new_tokens,

@@ -62,11 +62,10 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @classmethod
-    def make(cls, **kwargs) -> "SamplingParams":
-        """Build from keyword arguments, raising `InvalidSamplingParamsError` with a one-line message."""
+    def __init__(self, **kwargs):
+        """Bad values raise `InvalidSamplingParamsError` (a `DcocoError`) with a one-line message."""
         try:
-            return cls(**kwargs)
+            super().__init__(**kwargs)
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"]) or "sampling"

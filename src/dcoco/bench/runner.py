@@ -414,7 +414,7 @@ class BenchRunner:
         from ..sampling import SamplingParams
 
         return [
-            SamplingParams.make(
+            SamplingParams(
                 temperature=spec.temperature,
                 top_k=self.cfg.top_k,
                 top_p=self.cfg.top_p,

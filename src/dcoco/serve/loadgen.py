@@ -257,7 +257,7 @@ def run_offline(args, prompts: list[dict], concs: list[int]) -> tuple[list[dict]
     drafter = load_drafter(cfg, target)
     ids = [target.encode(p["messages"] if "messages" in p else p["token_ids"]) for p in prompts]
     reqs = [ids[i % len(ids)] for i in range(args.num_requests)]
-    sp = SamplingParams.make(
+    sp = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos
     )
     variants = [v for v in args.offline_variants.split(",") if v]

@@ -152,7 +152,7 @@ def sampling_params(req: _Common, max_tokens: int) -> SamplingParams:
         ignore_eos=bool(req.ignore_eos),
     )
     try:
-        return SamplingParams.make(**kwargs)
+        return SamplingParams(**kwargs)
     except InvalidSamplingParamsError as e:
         msg = str(e)
         param = next((k for k in kwargs if f"invalid {k}" in msg), None)
