@@ -11,7 +11,7 @@ output of step j-1 (not a target feature) and token t+1+j (teacher-forced), at p
 attention of (t, j) sees the step-0 entries s <= t and its own chain entries (t, 1..j), exactly as
 drafting step j at inference. Step j at slot t predicts token t+2+j.
 
-Start slots (`drafter.ttt_slots`): None unrolls and trains the chain of every slot, as published.
+Start slots (`drafter.eagle3.ttt_slots`): None unrolls and trains the chain of every slot, as published.
 An integer samples that many start slots per sequence (uniformly over response positions, from the
 trainer's RNG, like DFlash's anchors): step 0 still runs on every slot (its K/V are the keys every
 chain sees) but steps >= 1 and all loss terms run only on the sampled chains -- an unbiased
