@@ -149,7 +149,8 @@ def test_taps_capture_hidden_states(target):
         assert f.shape[-1] == 3 * H
         assert torch.allclose(f[:, :H], ref[0][0], atol=1e-5)
         assert torch.allclose(f[:, H : 2 * H], ref[1][0], atol=1e-5)
-        assert torch.allclose(f[:, 2 * H :], cap["last"][0], atol=1e-5)
+        # the last layer's values reach ~1e2 here: the batched prefill's rounding is relative to them
+        assert torch.allclose(f[:, 2 * H :], cap["last"][0], rtol=1e-4, atol=1e-4)
     finally:
         target.set_taps(())
 
