@@ -656,10 +656,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
     try:
         return COMMANDS[args.command](args)
-    except DcocoError as e:
-        print(f"dcoco: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path the user named cannot be read or written (missing parent, a file for a folder, ...)
+    except (DcocoError, OSError) as e:  # OSError: a path the user named cannot be read or written
         print(f"dcoco: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

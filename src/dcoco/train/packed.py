@@ -135,9 +135,9 @@ def pack(parts: Sequence, out: str | Path) -> dict:
         if diff:
             raise ConfigError(f"{p.root} and {parts[0].root} differ in {diff}: pack them into separate directories")
     packed = PackedData(out)
-    if packed.manifest_path.exists() and not is_packed(out):
-        raise ConfigError(f"{out} holds data that is not packed: pack into a new directory")
     if packed.manifest_path.exists():
+        if not is_packed(out):
+            raise ConfigError(f"{out} holds data that is not packed: pack into a new directory")
         manifest = packed.manifest
         diff = [k for k in SAME_SETTINGS if manifest.get(k) != first.get(k)]
         if diff:
