@@ -12,8 +12,8 @@
 #       optim.autocast_bf16=false
 #
 # (the second runs the same steps on a CPU in a few minutes, to check the script; the overrides go to
-# both trainings.) Under $OUT:
-# env.txt (the device check), logs/, dflash/ and dcoco/ (run directories: drafter/, stable/, log.jsonl),
+# both trainings.) Under $OUT: logs/ (a device torch cannot use fails the first training, with a
+# one-line reason), dflash/ and dcoco/ (run directories: drafter/, stable/, log.jsonl),
 # eval-dflash/ and eval-dcoco/ (eval.json, eval.md). To ship the stage, copy each run's drafter/ to
 # stages/smollm2-135m-instruct/<method>/ and its stable/ to stable/, and add the stage to the curve's doc.
 #
@@ -43,20 +43,6 @@ DCOCO="$PY -m dcoco.cli"
 HELDOUT=(corpus/smollm2-135m-instruct/sharegpt-all-greedy corpus/smollm2-135m-instruct/sharegpt-all-t1)
 mkdir -p "$OUT/logs"
 stamp() { echo "[$(date +%T)] $*"; }
-
-stamp "device check"
-$PY - "$DEVICE" >"$OUT/env.txt" 2>&1 <<'EOF'
-import sys, torch
-device = sys.argv[1]
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-if device.startswith("cuda"):
-    if not torch.cuda.is_available():
-        sys.exit(f"{device} asked for, but torch sees no CUDA device")
-    print(torch.cuda.get_device_name(device))
-EOF
-status=$?
-cat "$OUT/env.txt"
-[ $status -eq 0 ] || exit 1
 
 # the stage configs' data (all three corpus directories, the curve's hold-out), features computed per
 # batch (a GPU's target forward is cheap next to an 11 GB cache), steps set by the time budget
