@@ -12,7 +12,7 @@ from conftest import engine_lossless_pvalue, random_prompts, tiny_target
 
 from dcoco import SamplingParams
 from dcoco.drafters.base import DraftInput
-from dcoco.drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel, walk_greedy
+from dcoco.drafters.dcoco import Corrector, DCOCOConfig, DCOCODrafter, DCOCOModel, walk_greedy
 from dcoco.drafters.dflash import BlockDrafter, DFlashConfig
 from dcoco.engine import SpeculativeEngine
 from dcoco.families import get_family, load_trained
@@ -79,6 +79,46 @@ def test_pair_scores_match_slow_reference():
         )
         delta = corr.out(F.silu(W @ x + corr.w_a.bias))
         assert torch.allclose(fast[n, p, a, b], logits[n, p + 1, b] + delta[0], atol=1e-4)
+
+
+def test_widened_corrector_scores_as_before_and_every_new_weight_learns():
+    """`Corrector.take`: a wider corrector (proj_dim 16 -> 24, hidden 32 -> 48, a sampled head added)
+    scores exactly as the trained one it loads, and its new weights learn."""
+    target = tiny()
+    small = dcoco_model(target, randomize=True).corrector
+    with torch.no_grad():
+        for p in small.parameters():  # every weight trained-looking, norms and biases included
+            p.normal_(float(p.mean()), 0.3)
+    wide = Corrector(target.hidden_size, DCOCOConfig(top_k=4, proj_dim=24, hidden=48, sampled_head=True))
+    with torch.no_grad():  # its outputs too: `take` sets what must start at zero
+        wide.out.weight.normal_(), wide.out_sampled.weight.normal_()
+    wide.take(small)
+    N, P, K, H = 2, 4, 3, target.hidden_size
+    emb, hid, logits = torch.randn(N, P, K, H), torch.randn(N, P, H), torch.randn(N, P, K)
+    before = small(emb, hid, logits)[0]
+    greedy, sampled = wide(emb, hid, logits)
+    assert torch.allclose(greedy, before, rtol=1e-5, atol=1e-5) and torch.equal(
+        sampled, logits[:, 1:].unsqueeze(2).expand_as(sampled)
+    )
+    opt = torch.optim.SGD(wide.parameters(), lr=0.01)
+    for _ in range(2):  # new hidden units' inputs learn once their zero output weights have moved
+        opt.zero_grad()
+        greedy, sampled = wide(emb, hid, logits)
+        (greedy.pow(2).mean() + sampled.pow(2).mean()).backward()
+        opt.step()
+    new = {
+        "proj_emb.weight": (slice(16, None),),
+        "proj_pair.weight": (slice(16, None),),
+        "w_ab.weight": (slice(None, 32), slice(16, None)),
+        "w_a.weight": (slice(32, None),),
+        "out.weight": (slice(None), slice(32, None)),
+        "out_sampled.weight": (slice(None),),
+    }
+    grads = {n: p.grad for n, p in wide.named_parameters()}
+    for name, part in new.items():
+        assert grads[name][part].abs().sum() > 0, name
+    with pytest.raises(ValueError, match="does not fit"):
+        small.take(wide)
 
 
 def test_walk_matches_brute_force():

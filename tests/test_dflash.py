@@ -562,8 +562,9 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
 
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):
     """drafter.dcoco.corrector_from puts a trained corrector on another DFlash (drafter.init_from):
-    the backbone's weights come from the one, the corrector's from the other; a DCOCO checkpoint as
-    the backbone, or a DFlash one as the corrector, is refused."""
+    the backbone's weights come from the one, the corrector's from the other, widened where the
+    settings ask; a DCOCO checkpoint as the backbone, a DFlash one as the corrector, or a narrower
+    shape is refused."""
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
     shape = {"drafter.dcoco.top_k": 3, "drafter.dcoco.proj_dim": 8, "drafter.dcoco.hidden": 16}
@@ -582,12 +583,22 @@ def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path
     for k, v in corrected.corrector.state_dict().items():
         assert torch.equal(got[f"corrector.{k}"], v), k
     assert not torch.equal(got["layers.0.mlp.up_proj.weight"], corrected.state_dict()["layers.0.mlp.up_proj.weight"])
+    wider = {"drafter.dcoco.proj_dim": 12, "drafter.dcoco.hidden": 24}  # widened on the way (`Corrector.take`)
+    wide = Trainer(_cfg(root, tmp_path / "w", method="dcoco", **moved, **wider), target, RegeneratedData(root)).model
+    assert (wide.dcfg.proj_dim, wide.dcfg.hidden) == (12, 24)
+    assert torch.equal(wide.corrector.w_ab.weight[:16, :8], corrected.corrector.w_ab.weight)
     for bad in (
         {**moved, "drafter.init_from": moved["drafter.dcoco.corrector_from"]},
         {**moved, "drafter.dcoco.corrector_from": moved["drafter.init_from"]},
     ):
         with pytest.raises(ConfigError, match="corrector_from"):
             Trainer(_cfg(root, tmp_path / "x", method="dcoco", **bad), target, RegeneratedData(root))
+    with pytest.raises(ConfigError, match="can widen, not narrow"):
+        Trainer(
+            _cfg(root, tmp_path / "x", method="dcoco", **moved, **{"drafter.dcoco.hidden": 8}),
+            target,
+            RegeneratedData(root),
+        )
 
 
 def test_default_draft_length_round_trips(tmp_path):

@@ -89,6 +89,37 @@ class Corrector(nn.Module):
                 nn.init.zeros_(layer.weight)
                 nn.init.zeros_(layer.bias)
 
+    @torch.no_grad()
+    def take(self, trained: "Corrector") -> None:
+        """Load a trained corrector of this shape or a narrower one (smaller proj_dim and hidden) so
+        that this one scores exactly as it does, up to RMSNorm's eps. Its weights fill the leading
+        rows and columns; each new hidden unit keeps its random input weights and starts with a zero
+        output weight; each new projection dimension starts at zero, with the norms' old gains rescaled
+        so that they keep their scale over the wider mean. A corrector that has stopped improving
+        gains capacity without starting again from zero."""
+        d0, h0, d1, h1 = trained.cfg.proj_dim, trained.cfg.hidden, self.cfg.proj_dim, self.cfg.hidden
+        if d0 > d1 or h0 > h1:
+            raise ValueError(f"a corrector of proj_dim {d0}, hidden {h0} does not fit proj_dim {d1}, hidden {h1}")
+        old = dict(trained.named_parameters())
+        for name, p in self.named_parameters():
+            q = old.get(name)
+            if q is None:  # a T > 0 output the trained corrector lacks: it starts at zero
+                p.zero_()
+                continue
+            if name == "fuse.weight":  # its input [e ; hh] grows in both halves
+                p[:d0, :d0], p[:d0, d1 : d1 + d0] = q[:, :d0], q[:, d0:]
+            else:
+                p[tuple(slice(0, n) for n in q.shape)] = q
+        for proj in (self.proj_emb, self.proj_hid, self.proj_pair):
+            proj.weight[d0:] = 0
+        for w in (self.w_a, self.w_b, self.w_ab, self.w_s):
+            w.weight[:h0, d0:] = 0
+        for out in (self.out, self.out_sampled):
+            if out is not None:
+                out.weight[:, h0:] = 0
+        for norm in (self.norm_emb, self.norm_hid, self.norm_pair):
+            norm.weight[:d0] *= (d0 / d1) ** 0.5
+
     def candidates(self, emb: torch.Tensor, hid: torch.Tensor) -> torch.Tensor:
         """z (N, P, K, d) from candidate embeddings (N, P, K, H) and position hidden states (N, P, H)."""
         e = self.norm_emb(self.proj_emb(emb))

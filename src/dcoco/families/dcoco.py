@@ -32,6 +32,21 @@ class DCOCOSettings(DCOCOConfig):
         return narrowed(self, DCOCOConfig)
 
 
+def widened(trained: DCOCOConfig, s: DCOCOSettings) -> dict:
+    """`proj_dim` and `hidden` set larger than a trained corrector's widen it (`Corrector.take`);
+    left unset, it keeps its own."""
+    shape = {}
+    for key in ("proj_dim", "hidden"):
+        have, want = getattr(trained, key), getattr(s, key)
+        if key in s.model_fields_set and want != have:
+            if want < have:
+                raise ConfigError(
+                    f"drafter.dcoco.{key}={want}: the trained corrector has {have} (it can widen, not narrow)"
+                )
+            shape[key] = want
+    return shape
+
+
 class DCOCOFamily(DFlashFamily):
     loss_options = ()
     name = "dcoco"
@@ -70,7 +85,8 @@ class DCOCOFamily(DFlashFamily):
     # -- training ----------------------------------------------------------------------------
     def build_model(self, d, target, source: ModelSource, start=None) -> DCOCOModel:
         """A zero-initialised corrector on the DFlash backbone; from a DCOCO checkpoint, its trained
-        corrector (its shape comes with it, the inference defaults from the settings)."""
+        corrector (its shape comes with it, widened where `proj_dim` or `hidden` is set larger; the
+        inference defaults come from the settings)."""
         s: DCOCOSettings = d.dcoco
         trained = self.corrector_on(d, target, start) if s.corrector_from else start
         if isinstance(trained, DCOCOModel):
@@ -79,15 +95,18 @@ class DCOCOFamily(DFlashFamily):
                     "sampled_walk": s.sampled_walk,
                     "vocab_walk": s.vocab_walk,
                     "sampled_head": trained.dcfg.sampled_head or s.sampled_head,
+                    **widened(trained.dcfg, s),
                 }
             )
-            model = DCOCOModel(trained.cfg, dcfg)  # a sampled head added here starts at zero
-            missing, unexpected = model.load_state_dict(trained.state_dict(), strict=False)
-            if set(missing) - {"corrector.out_sampled.weight", "corrector.out_sampled.bias"} or unexpected:
+            model = DCOCOModel(trained.cfg, dcfg)
+            backbone = {k: v for k, v in trained.state_dict().items() if not k.startswith("corrector.")}
+            missing, unexpected = model.load_state_dict(backbone, strict=False)
+            if any(not k.startswith("corrector.") for k in missing) or unexpected:
                 raise ConfigError(
                     f"{d.init_from}: its weights do not fit its own config "
                     f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
                 )
+            model.corrector.take(trained.corrector)
         else:
             backbone = DFLASH.backbone(d, target, start)
             model = DCOCOModel(backbone.cfg, s.corrector())
