@@ -1,7 +1,8 @@
 """Drafter ablations at equal budget: each variant (a name and `section.key=value` overrides of one
-training config) trains for the same wall time with `optim.time_budget_s`, one `dcoco train`
-process after another (never two at once: they would share the cores), and is judged by the
-held-out τ as greedy decoding realizes it, which training measures on its last step.
+training config) trains for the same wall time with `optim.time_budget_s` (`--budget-s`), or for the
+same steps on the same batches (`--steps`: a paired comparison, each variant's time reported), one
+`dcoco train` process after another (never two at once: they would share the cores), and is judged
+by the held-out τ as greedy decoding realizes it, which training measures on its last step.
 
   python scripts/ablate.py --config configs/dflash_smollm2.yaml --budget-s 1800 --out runs/ablation \\
       --set data.path=corpus/smollm2-135m-instruct/sharegpt-all-greedy data.features=online \\
@@ -49,10 +50,15 @@ def last_eval(log: Path) -> dict | None:
     }
 
 
+def budget(args) -> str:
+    return f"{args.steps} steps" if args.steps else f"{args.budget_s:.0f} s of training"
+
+
 def train(args, name: str, overrides: list[str]) -> int:
     out = Path(args.out) / name
     cmd = [sys.executable, "-m", "dcoco.cli", "train", "--config", args.config, *args.set, *overrides]
-    cmd += [f"optim.time_budget_s={args.budget_s}", f"run.out={out}"]
+    limit = f"optim.steps={args.steps}" if args.steps else f"optim.time_budget_s={args.budget_s}"
+    cmd += [limit, f"run.out={out}"]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "a") as log:
         return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -61,22 +67,31 @@ def train(args, name: str, overrides: list[str]) -> int:
 def write_report(args, rows: list[dict]) -> None:
     out = Path(args.out)
     info = {**machine_info("cpu", "bfloat16"), "commit": git_commit()}
-    report = {"config": args.config, "common": args.set, "budget_s": args.budget_s, "machine": info, "rows": rows}
+    report = {
+        "config": args.config,
+        "common": args.set,
+        "budget_s": args.budget_s,
+        "steps": args.steps,
+        "machine": info,
+        "rows": rows,
+    }
     (out / "ablation.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
-        f"Ablations of `{args.config}` at {args.budget_s:.0f} s of training each ({info.get('cpu', '')}), "
+        f"Ablations of `{args.config}` at {budget(args)} each ({info.get('cpu', '')}), "
         f"common overrides: `{' '.join(args.set)}`",
         "",
-        "| variant | overrides | steps | sequences seen | held-out τ decoded | held-out τ (random anchors) | loss |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| variant | overrides | steps | sequences seen | training (min) | held-out τ decoded "
+        "| held-out τ (random anchors) | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if r.get("eval_tau_decode") is None:
-            lines.append(f"| {r['name']} | `{' '.join(r['overrides'])}` | failed (exit {r.get('exit')}) | | | | |")
+            lines.append(f"| {r['name']} | `{' '.join(r['overrides'])}` | failed (exit {r.get('exit')}) | | | | | |")
             continue
         tau = r.get("eval_tau")
         lines.append(
             f"| {r['name']} | `{' '.join(r['overrides'])}` | {r['step']} | {r['samples_seen']} | "
+            f"{r['train_s'] / 60:.1f} | "
             f"{r['eval_tau_decode']:.3f} | {'' if tau is None else f'{tau:.3f}'} | {r['loss']:.3f} |"
         )
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
@@ -89,7 +104,7 @@ def write_report(args, rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(done) + 2), 3.5))
     ax.bar([r["name"] for r in done], [r["eval_tau_decode"] for r in done])
     ax.set_ylabel("held-out τ as decoded")
-    ax.set_title(f"equal budget: {args.budget_s:.0f} s of training each")
+    ax.set_title(f"equal budget: {budget(args)} each")
     ax.tick_params(axis="x", rotation=30)
     ax.set_ylim(bottom=1.0)
     fig.tight_layout()
@@ -99,7 +114,9 @@ def write_report(args, rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--budget-s", type=float, required=True, help="training wall time per variant")
+    limit = ap.add_mutually_exclusive_group(required=True)
+    limit.add_argument("--budget-s", type=float, help="training wall time per variant")
+    limit.add_argument("--steps", type=int, help="training steps per variant, on the same batches")
     ap.add_argument("--set", nargs="*", default=[], help="overrides shared by every variant")
     ap.add_argument("--variant", action="append", required=True, help="NAME or NAME:section.key=value,...")
     ap.add_argument("--out", required=True)
@@ -110,8 +127,8 @@ def main() -> None:
     rows = []
     for name, overrides in variants:
         code = 0
-        if last_eval(Path(args.out) / name / "log.jsonl") is None or not _finished(Path(args.out) / name):
-            print(f"training {name} for {args.budget_s:.0f}s", flush=True)
+        if last_eval(Path(args.out) / name / "log.jsonl") is None or not _finished(Path(args.out) / name, args.steps):
+            print(f"training {name} for {budget(args)}", flush=True)
             code = train(args, name, overrides)
         got = last_eval(Path(args.out) / name / "log.jsonl") if code == 0 else None
         rows.append({"name": name, "overrides": overrides, "exit": code, **(got or {})})
@@ -119,11 +136,11 @@ def main() -> None:
         write_report(args, rows)
 
 
-def _finished(run: Path) -> bool:
-    """Whether the run reached its last step (the state's step equals the steps its budget fixed)."""
+def _finished(run: Path, steps: int | None) -> bool:
+    """Whether the run reached its last step (`steps`, or the steps its time budget fixed)."""
     rows = read_log(run / "log.jsonl")
-    budget = [r["steps_from_time_budget"] for r in rows if "steps_from_time_budget" in r]
-    return bool(budget) and rows[-1]["step"] >= budget[-1]
+    fixed = [steps] if steps else [r["steps_from_time_budget"] for r in rows if "steps_from_time_budget" in r]
+    return bool(fixed) and bool(rows) and rows[-1]["step"] >= fixed[-1]
 
 
 if __name__ == "__main__":
