@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from dcoco.bench.system import git_commit, machine_info
+from dcoco.train.config import load_config
 from dcoco.train.runstate import read_log
 
 
@@ -66,7 +67,8 @@ def train(args, name: str, overrides: list[str]) -> int:
 
 def write_report(args, rows: list[dict]) -> None:
     out = Path(args.out)
-    info = {**machine_info("cpu", "bfloat16"), "commit": git_commit()}
+    target = load_config(args.config, args.set).target  # the common overrides' device and dtype
+    info = {**machine_info(target.device, target.dtype), "dtype": target.dtype, "commit": git_commit()}
     report = {
         "config": args.config,
         "common": args.set,
