@@ -51,7 +51,7 @@ def last_eval(log: Path) -> dict | None:
     }
 
 
-def budget(args) -> str:
+def budget_label(args) -> str:
     return f"{args.steps} steps" if args.steps else f"{args.budget_s:.0f} s of training"
 
 
@@ -79,7 +79,7 @@ def write_report(args, rows: list[dict]) -> None:
     }
     (out / "ablation.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
-        f"Ablations of `{args.config}` at {budget(args)} each ({info.get('cpu', '')}), "
+        f"Ablations of `{args.config}` at {budget_label(args)} each ({info.get('cpu', '')}), "
         f"common overrides: `{' '.join(args.set)}`",
         "",
         "| variant | overrides | steps | sequences seen | training (min) | held-out τ decoded "
@@ -106,7 +106,7 @@ def write_report(args, rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(done) + 2), 3.5))
     ax.bar([r["name"] for r in done], [r["eval_tau_decode"] for r in done])
     ax.set_ylabel("held-out τ as decoded")
-    ax.set_title(f"equal budget: {budget(args)} each")
+    ax.set_title(f"equal budget: {budget_label(args)} each")
     ax.tick_params(axis="x", rotation=30)
     ax.set_ylim(bottom=1.0)
     fig.tight_layout()
@@ -130,7 +130,7 @@ def main() -> None:
     for name, overrides in variants:
         code = 0
         if last_eval(Path(args.out) / name / "log.jsonl") is None or not _finished(Path(args.out) / name, args.steps):
-            print(f"training {name} for {budget(args)}", flush=True)
+            print(f"training {name} for {budget_label(args)}", flush=True)
             code = train(args, name, overrides)
         got = last_eval(Path(args.out) / name / "log.jsonl") if code == 0 else None
         rows.append({"name": name, "overrides": overrides, "exit": code, **(got or {})})
