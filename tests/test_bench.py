@@ -444,8 +444,8 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
         tiny_chat_dir,
         out,
         "humaneval",
-        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2,dcoco/lookup1,dflash/lookup1",
-        drafters=f"dcoco={ck},dflash={ck},dflash/lookup1={ck}",
+        methods="vanilla,dflash,dcoco,dcoco/nocorrect,dcoco/k2,dcoco/lookup1,dflash/lookup1,dflash/draft2",
+        drafters=f"dcoco={ck},dflash={ck},dflash/lookup1={ck},dflash/draft2={ck}",
         concurrency="1",
     )
     assert main(args) == 0, capsys.readouterr().err
@@ -458,7 +458,11 @@ def test_dcoco_variants_run_side_by_side(capsys, tmp_path, tiny_chat_dir):
         "dcoco/k2",
         "dcoco/lookup1",
         "dflash/lookup1",
+        "dflash/draft2",
     }
+    # a draft length beside the default one (the block of 4 drafts 3)
+    slots = {r["method"]: len(r["per_position_acceptance"] or []) for r in rows if r["temperature"] == 0}
+    assert slots["dflash"] == 3 and slots["dflash/draft2"] == 2
     # prompt lookup first: its share of the drafting steps, on its rows only
     assert all(("lookup_share" in r) == r["method"].endswith("/lookup1") for r in rows)
     assert all(0 <= r["lookup_share"] <= 1 for r in rows if "lookup_share" in r)

@@ -113,6 +113,8 @@ def test_regenerate_bad_shard_is_one_line_error(capsys, tmp_path, spec):
             "temperatures",
         ),
         (["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "x", "--temperatures", "0.5"], "T=0 and T=1"),
+        (["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "x", "--draft-lengths", "4,x"], "lengths"),
+        (["src/dcoco/checkpoints/smollm2-135m-instruct/dflash", "--data", "x", "--draft-lengths", "0"], "lengths"),
     ],
 )
 def test_eval_bad_input_gives_one_line_error(capsys, args, needle):

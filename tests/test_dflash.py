@@ -824,9 +824,14 @@ def test_drafter_overfits_every_slot_of_a_few_samples(tiny_data, tmp_path, metho
     tr = Trainer(_cfg(few, tmp_path / "run", **over), target, RegeneratedData(few))
     tr.run(progress=False)
     tr.model.eval()
-    got = Evaluator(tr.loss, tr.features, tr.train_samples, 1024).decoded(k=5)
+    got = Evaluator(tr.loss, tr.features, tr.train_samples, 1024).decoded(k=5, lengths=(2,))
     # at most 6 (5 drafts + the bonus token); a sample's last block is cut short by its end
     assert got["eval_tau_decode"] >= 5.4, got
+    # the same drafts walked 2 at a time (at most 3 a pass), and the default length among the lengths
+    by_length = got["decode_lengths"]
+    assert by_length["5"] == {k: v for k, v in got.items() if k != "decode_lengths"}
+    assert 2.6 <= by_length["2"]["eval_tau_decode"] <= 3.0 and len(by_length["2"]["eval_per_position_decode"]) == 2
+    assert ("eval_tau_decode_dflash" in by_length["2"]) == (method == "dcoco")
 
 
 def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():

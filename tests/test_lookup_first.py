@@ -93,6 +93,7 @@ def test_config_and_bench_label():
     assert variant_options("dcoco/lookup3") == {"lookup_first": 3}
     assert variant_options("dcoco/lookup2k8") == {"lookup_first": 2, "lookup_num_tokens": 8}
     assert variant_options("ngram/lookup3") == {}
+    assert variant_options("dflash/draft7") == {"num_speculative_tokens": 7} and variant_options("ngram/draft7") == {}
     with pytest.raises(ConfigError, match="set lookup_first too"):
         SpeculativeConfig.parse({"method": "dflash", "lookup_num_tokens": 8})
     with pytest.raises(ConfigError, match="lookup_first"):

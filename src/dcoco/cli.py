@@ -249,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-permille", type=int, default=20, help="--split heldout's share (training's data.eval_permille)"
     )
     ev.add_argument("--temperatures", default="0,1", help="0, 1 or 0,1 (default)")
+    ev.add_argument(
+        "--draft-lengths",
+        default="",
+        metavar="LIST",
+        help="T=0 as decoded also at these draft lengths (tokens per pass, e.g. 3,4,5,7), from the same drafts",
+    )
     ev.add_argument("--num-samples", type=int, default=48, help="evaluate at most N samples (default 48; 0: all)")
     ev.add_argument("--max-length", type=int, default=1024, help="tokens per sample, longer ones are cut")
     ev.add_argument("--out", default=None, help="directory for eval.json and eval.md")
@@ -578,6 +584,12 @@ def cmd_eval(args) -> int:
         temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     except ValueError:
         raise InvalidPromptError(f"--temperatures: expected numbers like 0,1, got {args.temperatures!r}") from None
+    try:
+        lengths = [int(n) for n in args.draft_lengths.split(",") if n.strip()]
+    except ValueError:
+        lengths = [0]
+    if any(n < 1 for n in lengths):
+        raise InvalidPromptError(f"--draft-lengths: expected positive integers like 3,4,7, got {args.draft_lengths!r}")
     _setup(args)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)  # a bad --out fails now, not after the evaluation
@@ -586,6 +598,7 @@ def cmd_eval(args) -> int:
         args.data,
         split=args.split,
         temperatures=temps,
+        draft_lengths=lengths,
         num_samples=args.num_samples or None,
         max_length=args.max_length,
         eval_permille=args.eval_permille,

@@ -133,13 +133,17 @@ def split_label(label: str) -> tuple[str, str]:
 
 
 def variant_options(label: str) -> dict:
-    """SpeculativeConfig options a variant label stands for: `lookupN` (`lookup_first=N`) and
+    """SpeculativeConfig options a variant label stands for: `draftN` (`num_speculative_tokens=N`,
+    a draft length beside the drafter's default in one run), `lookupN` (`lookup_first=N`) and
     `lookupNkM` (and `lookup_num_tokens=M`) for any trained family, else its family's
     `variant_options`. Any other tag only names a checkpoint given explicitly (e.g.
     `dcoco/noemb=runs/dcoco-noemb/drafter`)."""
     base, tag = split_label(label)
     if base not in FAMILIES or not tag:
         return {}
+    m = re.fullmatch(r"draft(\d+)", tag)
+    if m and FAMILIES[base].trained:
+        return {"num_speculative_tokens": int(m[1])}
     m = re.fullmatch(r"lookup(\d+)(?:k(\d+))?", tag)
     if m and FAMILIES[base].trained:
         return {"lookup_first": int(m[1])} | ({"lookup_num_tokens": int(m[2])} if m[2] else {})

@@ -383,6 +383,8 @@ class BenchRunner:
         from ..engine import SpeculativeEngine
         from ..speculative import SpeculativeConfig, load_drafter, split_label, variant_options
 
+        # a `draftN` variant's draft length wins over --num-speculative-tokens
+        k = variant_options(method).get("num_speculative_tokens", self.cfg.num_speculative_tokens)
         if method not in self._drafters:
             base = split_label(method)[0]
             cfg = SpeculativeConfig.parse(
@@ -390,11 +392,11 @@ class BenchRunner:
                     "method": base,
                     **variant_options(method),
                     "model": self.cfg.drafters.get(method, self.cfg.drafters.get(base)),
-                    "num_speculative_tokens": self.cfg.num_speculative_tokens,
+                    "num_speculative_tokens": k,
                 }
             )
             self._drafters[method] = load_drafter(cfg, self.target)
-        return SpeculativeEngine(self.target, self._drafters[method], self.cfg.num_speculative_tokens, concurrency)
+        return SpeculativeEngine(self.target, self._drafters[method], k, concurrency)
 
     def _peer(self, method: str):
         from .peers import make_peer

@@ -103,14 +103,21 @@ class Evaluator:
 
     @torch.no_grad()
     def decoded(
-        self, chunk: int = 64, k: Optional[int] = None, predictions: Optional[Callable[[dict], dict]] = None
+        self,
+        chunk: int = 64,
+        k: Optional[int] = None,
+        predictions: Optional[Callable[[dict], dict]] = None,
+        lengths: Sequence[int] = (),
     ) -> dict:
         """τ and per-slot acceptance as greedy decoding realizes them, per suffix of the loss's
-        `predictions` ("" = the method's own drafts), with the drafter's default draft length `k`.
-        `predictions` replaces the loss's (extras -> {suffix: drafts (S, A, P)}): an ablation's drafts."""
+        `predictions` ("" = the method's own drafts), with the drafter's default draft length `k`;
+        `lengths`: also at each of these draft lengths, from the same drafts (`decode_lengths`, keyed
+        by length), which is what choosing a draft length needs. `predictions` replaces the loss's
+        (extras -> {suffix: drafts (S, A, P)}): an ablation's drafts."""
         predictions = predictions or self.loss.predictions
         k = self.draft_slots if k is None else k
-        totals: dict[str, list] = {}
+        ks = sorted({k, *lengths})
+        totals: dict[tuple[int, str], list] = {}
         for parts in self._each_sample(chunk, "eval T=0"):
             preds: dict[str, list[torch.Tensor]] = {}
             labels = []
@@ -120,16 +127,22 @@ class Evaluator:
                 labels.append(b.labels[0])
             labels = torch.cat(labels)
             for key, p in preds.items():
-                kk = min(k, labels.shape[-1])
-                passes, per_slot = decode_acceptance_per_slot(torch.cat(p), labels, kk)
-                t = totals.setdefault(key, [0, [0] * kk])
-                t[0] += passes
-                t[1] = [a + c for a, c in zip(t[1], per_slot)]
-        out = {}
-        for key, (passes, per_slot) in totals.items():
+                p = torch.cat(p)
+                for n in ks:
+                    kk = min(n, labels.shape[-1])
+                    passes, per_slot = decode_acceptance_per_slot(p, labels, kk)
+                    t = totals.setdefault((n, key), [0, [0] * kk])
+                    t[0] += passes
+                    t[1] = [a + c for a, c in zip(t[1], per_slot)]
+        by_length: dict[int, dict] = {}
+        for (n, key), (passes, per_slot) in totals.items():
+            out = by_length.setdefault(n, {})
             out[f"eval_tau_decode{key}"] = round(1 + sum(per_slot) / max(1, passes), 4)
             if key == "":
                 out["eval_per_position_decode"] = [round(c / max(1, passes), 4) for c in per_slot]
+        out = dict(by_length.get(k, {}))
+        if lengths:
+            out["decode_lengths"] = {str(n): by_length.get(n, {}) for n in ks}
         return out
 
     @torch.no_grad()
@@ -163,17 +176,23 @@ def evaluate_checkpoint(
     data_paths: Sequence[str],
     split: str = "heldout",
     temperatures: Sequence[float] = (0.0, 1.0),
+    draft_lengths: Sequence[int] = (),
     **options,
 ) -> dict:
-    """Held-out τ of a drafter checkpoint of any family: random anchors and as decoded at T=0, and
-    the expected τ at T=1, with per-slot acceptance. `options`: those of `checkpoint_evaluator`."""
+    """Held-out τ of a drafter checkpoint of any family: random anchors and as decoded at T=0 (also
+    at each of `draft_lengths`), and the expected τ at T=1, with per-slot acceptance. `options`:
+    those of `checkpoint_evaluator`."""
     if not set(temperatures) <= {0.0, 1.0}:
         raise ConfigError(f"--temperatures: dcoco eval measures T=0 and T=1, got {list(temperatures)}")
     ev, name = checkpoint_evaluator(checkpoint, data_paths, split, sampled=1.0 in temperatures, **options)
+    if any(n < 1 or n > ev.model.max_draft for n in draft_lengths):
+        raise ConfigError(
+            f"--draft-lengths: {name} drafts 1 to {ev.model.max_draft} tokens per pass, got {list(draft_lengths)}"
+        )
     out: dict = {"checkpoint": str(checkpoint), "method": name, "samples": len(ev.samples), "split": split}
     with torch.device(ev.features.target.device):
         if 0.0 in temperatures:
-            out["t0"] = {**ev.random_anchors(), **ev.decoded()}
+            out["t0"] = {**ev.random_anchors(), **ev.decoded(lengths=draft_lengths)}
         if 1.0 in temperatures:
             out["t1"] = ev.sampled()
     return out
@@ -254,6 +273,16 @@ def eval_markdown(result: dict) -> str:
     extra = {k: v for k, v in (t0 or {}).items() if k.startswith("eval_tau_") and k != "eval_tau_decode"}
     if extra:
         L += ["", "Other figures: " + ", ".join(f"`{k}` {v}" for k, v in extra.items() if not isinstance(v, list))]
+    lengths = (t0 or {}).get("decode_lengths")
+    if lengths:
+        others = sorted({k for r in lengths.values() for k in r if k.startswith("eval_tau_decode_")})
+        head = ["draft length", "τ", *(f"`{k}`" for k in others), "per-slot acceptance"]
+        L += ["", "T=0 as decoded, by draft length (tokens drafted per pass):", ""]
+        L += ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
+        for n, r in lengths.items():
+            pp = " ".join(f"{x:.2f}" for x in r.get("eval_per_position_decode", []))
+            cells = [n, f"{r['eval_tau_decode']:.3f}", *(f"{r[k]:.3f}" for k in others), pp]
+            L.append("| " + " | ".join(cells) + " |")
     return "\n".join(L) + "\n"
 
 
