@@ -93,7 +93,7 @@ def write_report(args, rows: list[dict]) -> None:
     ]
     for r in rows:
         if r.get("eval_tau_decode") is None:
-            gaps = "| | | | |" + " | |" * uncorrected
+            gaps = "| | | | | |" + " | |" * uncorrected
             lines.append(f"| {r['name']} | `{' '.join(r['overrides'])}` | failed (exit {r.get('exit')}) {gaps}")
             continue
         tau, plain = r.get("eval_tau"), r.get("eval_tau_decode_dflash")
