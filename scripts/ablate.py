@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dcoco.bench.report import markdown_table
 from dcoco.bench.system import git_commit, machine_info
 from dcoco.train.config import load_config
 from dcoco.train.runstate import read_log
@@ -81,29 +82,25 @@ def write_report(args, rows: list[dict]) -> None:
     (out / "ablation.json").write_text(json.dumps(report, indent=2) + "\n")
     # DCOCO's runs also give their drafts uncorrected, so the corrector's margin reads off each row
     uncorrected = any(r.get("eval_tau_decode_dflash") is not None for r in rows)
-    extra = " uncorrected | margin |" if uncorrected else ""
+    header = ["variant", "overrides", "steps", "sequences seen", "training (min)", "held-out τ decoded"]
+    header += ["uncorrected", "margin"] * uncorrected + ["held-out τ (random anchors)", "loss"]
+    body = []
+    for r in rows:
+        cells = [r["name"], f"`{' '.join(r['overrides'])}`"]
+        if r.get("eval_tau_decode") is None:
+            body.append(cells + [f"failed (exit {r.get('exit')})"] + [""] * (len(header) - 3))
+            continue
+        tau, plain = r.get("eval_tau"), r.get("eval_tau_decode_dflash")
+        cells += [str(r["step"]), str(r["samples_seen"]), f"{r['train_s'] / 60:.1f}", f"{r['eval_tau_decode']:.3f}"]
+        if uncorrected:
+            cells += [f"{plain:.3f}", f"{r['eval_tau_decode'] / plain:.3f}x"] if plain else ["", ""]
+        body.append(cells + ["" if tau is None else f"{tau:.3f}", f"{r['loss']:.3f}"])
     lines = [
         f"Ablations of `{args.config}` at {budget_label(args)} each ({info.get('cpu', '')}), "
         f"common overrides: `{' '.join(args.set)}`",
         "",
-        "| variant | overrides | steps | sequences seen | training (min) | held-out τ decoded |"
-        + extra
-        + " held-out τ (random anchors) | loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * uncorrected,
+        *markdown_table(header, body, left=2)[:-1],
     ]
-    for r in rows:
-        if r.get("eval_tau_decode") is None:
-            gaps = "| | | | | |" + " | |" * uncorrected
-            lines.append(f"| {r['name']} | `{' '.join(r['overrides'])}` | failed (exit {r.get('exit')}) {gaps}")
-            continue
-        tau, plain = r.get("eval_tau"), r.get("eval_tau_decode_dflash")
-        cells = f" {plain:.3f} | {r['eval_tau_decode'] / plain:.3f}x |" if plain else " | |"
-        lines.append(
-            f"| {r['name']} | `{' '.join(r['overrides'])}` | {r['step']} | {r['samples_seen']} | "
-            f"{r['train_s'] / 60:.1f} | {r['eval_tau_decode']:.3f} |"
-            + (cells if uncorrected else "")
-            + f" {'' if tau is None else f'{tau:.3f}'} | {r['loss']:.3f} |"
-        )
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

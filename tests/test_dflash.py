@@ -798,7 +798,7 @@ def test_drafter_overfits_every_slot_of_a_few_samples(tiny_data, tmp_path, metho
     """The pipeline can learn every drafted slot, not only the first: trained on 8 answers, the drafter
     drafts them back as decoding would walk them (blocks opened where the last one ended), nearly all
     of every block accepted (the small version of the 100-answer experiment in docs/experiments)."""
-    from dcoco.train.evaluate import Evaluator
+    from dcoco.train.evaluate import Evaluator, eval_markdown
 
     target, root = tiny_data
     few = tmp_path / "few"
@@ -832,6 +832,9 @@ def test_drafter_overfits_every_slot_of_a_few_samples(tiny_data, tmp_path, metho
     assert by_length["5"] == {k: v for k, v in got.items() if k != "decode_lengths"}
     assert 2.6 <= by_length["2"]["eval_tau_decode"] <= 3.0 and len(by_length["2"]["eval_per_position_decode"]) == 2
     assert ("eval_tau_decode_dflash" in by_length["2"]) == (method == "dcoco")
+    result = {"checkpoint": "c", "method": method, "samples": 8, "split": "all", "t0": {**got, "eval_tau": 1}}
+    md = eval_markdown(result)
+    assert f"| 2 | {by_length['2']['eval_tau_decode']:.3f} |" in md and "| 5 |" in md
 
 
 def test_draft_vocab_loss_is_the_cross_entropy_over_the_draft_vocabulary():

@@ -99,8 +99,11 @@ def _fmt(x: Optional[float], nd: int = 2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
-def _table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+def markdown_table(header: list[str], body: list[list[str]], left: int = 1) -> list[str]:
+    """A Markdown table's lines and a blank line after it; the first `left` columns (labels)
+    align left, the rest (figures) right."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return lines + [""]
 
@@ -200,7 +203,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                     if n < c
                 }
                 header = ["method"] + [ds + ("†" if ds in short else "") for ds in datasets] + ["mean"]
-                L += [f"### T = {t:g}, concurrency {c}", ""] + _table(header, body)
+                L += [f"### T = {t:g}, concurrency {c}", ""] + markdown_table(header, body)
                 if short:
                     L += [
                         "† fewer prompts than the concurrency: at most "
@@ -233,7 +236,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 ),
                 "",
             ]
-            L += _table(["method", "concurrency"] + datasets + ["mean"], body)
+            L += markdown_table(["method", "concurrency"] + datasets + ["mean"], body)
 
     L += [
         "## Acceptance length τ",
@@ -250,7 +253,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                 continue
             body.append([m, str(c)] + [_fmt(v) for v in vals] + [_fmt(_mean(vals))])
         if body:
-            L += [f"### T = {t:g}", ""] + _table(["method", "concurrency"] + datasets + ["mean"], body)
+            L += [f"### T = {t:g}", ""] + markdown_table(["method", "concurrency"] + datasets + ["mean"], body)
 
     body, width = [], 0
     for m in methods:
@@ -268,7 +271,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "Share of verification passes whose i-th draft token was accepted (sums to τ − 1).",
             "",
         ]
-        L += _table(
+        L += markdown_table(
             ["method", "dataset", "T", "concurrency"] + [str(i + 1) for i in range(width)],
             [
                 [m, ds, f"{t:g}", str(c)] + [_fmt(pp[i]) if i < len(pp) else "–" for i in range(width)]
@@ -321,7 +324,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "corrector's own cost.",
             "",
         ]
-        L += _table(["method", "T", "concurrency", "mean", "max", "over dflash"], body)
+        L += markdown_table(["method", "T", "concurrency", "mean", "max", "over dflash"], body)
 
     looked = [r for r in rows if r.get("lookup_share") is not None]
     if looked:
@@ -335,7 +338,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             "mean over seeds and concurrencies.",
             "",
         ]
-        L += _table(
+        L += markdown_table(
             ["method", "T"] + datasets,
             [
                 [m, f"{t:g}"] + [_fmt(_mean(shares.get((m, ds, t), []))) for ds in datasets]

@@ -383,14 +383,15 @@ class BenchRunner:
         from ..engine import SpeculativeEngine
         from ..speculative import SpeculativeConfig, load_drafter, split_label, variant_options
 
+        options = variant_options(method)
         # a `draftN` variant's draft length wins over --num-speculative-tokens
-        k = variant_options(method).get("num_speculative_tokens", self.cfg.num_speculative_tokens)
+        k = options.pop("num_speculative_tokens", self.cfg.num_speculative_tokens)
         if method not in self._drafters:
             base = split_label(method)[0]
             cfg = SpeculativeConfig.parse(
                 {
                     "method": base,
-                    **variant_options(method),
+                    **options,
                     "model": self.cfg.drafters.get(method, self.cfg.drafters.get(base)),
                     "num_speculative_tokens": k,
                 }

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..bench.report import markdown_table
 from ..errors import ConfigError
 from .acceptance import decode_acceptance_per_slot, expected_acceptance
 from .batch import is_eval_sample, loss_batch, truncate
@@ -136,10 +137,10 @@ class Evaluator:
                     t[1] = [a + c for a, c in zip(t[1], per_slot)]
         by_length: dict[int, dict] = {}
         for (n, key), (passes, per_slot) in totals.items():
-            out = by_length.setdefault(n, {})
-            out[f"eval_tau_decode{key}"] = round(1 + sum(per_slot) / max(1, passes), 4)
+            figures = by_length.setdefault(n, {})
+            figures[f"eval_tau_decode{key}"] = round(1 + sum(per_slot) / max(1, passes), 4)
             if key == "":
-                out["eval_per_position_decode"] = [round(c / max(1, passes), 4) for c in per_slot]
+                figures["eval_per_position_decode"] = [round(c / max(1, passes), 4) for c in per_slot]
         out = dict(by_length.get(k, {}))
         if lengths:
             out["decode_lengths"] = {str(n): by_length.get(n, {}) for n in ks}
@@ -276,13 +277,14 @@ def eval_markdown(result: dict) -> str:
     lengths = (t0 or {}).get("decode_lengths")
     if lengths:
         others = sorted({k for r in lengths.values() for k in r if k.startswith("eval_tau_decode_")})
+        body = [
+            [n, f"{r['eval_tau_decode']:.3f}", *(f"{r[k]:.3f}" for k in others)]
+            + [" ".join(f"{x:.2f}" for x in r.get("eval_per_position_decode", []))]
+            for n, r in lengths.items()
+        ]
         head = ["draft length", "τ", *(f"`{k}`" for k in others), "per-slot acceptance"]
         L += ["", "T=0 as decoded, by draft length (tokens drafted per pass):", ""]
-        L += ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
-        for n, r in lengths.items():
-            pp = " ".join(f"{x:.2f}" for x in r.get("eval_per_position_decode", []))
-            cells = [n, f"{r['eval_tau_decode']:.3f}", *(f"{r[k]:.3f}" for k in others), pp]
-            L.append("| " + " | ".join(cells) + " |")
+        L += markdown_table(head, body)[:-1]
     return "\n".join(L) + "\n"
 
 
