@@ -560,6 +560,39 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
     assert raw["dcoco_config"]["sampled_walk"] and again.dcfg.sampled_walk
 
 
+def test_dcoco_backbone_trains_at_its_own_rate(tiny_data, tmp_path):
+    """drafter.dcoco.backbone_lr_scale: joint training moves the backbone at that fraction of the
+    corrector's rate all along the schedule, the groups survive a resume, and a frozen backbone
+    with a rate of its own is refused."""
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "dflash", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
+    over = {
+        "drafter.init_from": str(tmp_path / "dflash" / "drafter"),
+        "drafter.dcoco.backbone_lr_scale": 0.1,
+        "drafter.dcoco.top_k": 3,
+        "drafter.dcoco.proj_dim": 8,
+        "drafter.dcoco.hidden": 16,
+    }
+
+    def check(tr: Trainer) -> None:
+        rate = {id(p): (g["initial_lr"], g["lr"] / g["initial_lr"]) for g in tr.opt.param_groups for p in g["params"]}
+        for name, p in tr.model.named_parameters():
+            want = 3e-3 if name.startswith("corrector.") else 3e-4
+            assert rate[id(p)][0] == pytest.approx(want), name
+        assert len({round(r[1], 12) for r in rate.values()}) == 1  # the schedule scales every group alike
+
+    out = tmp_path / "dcoco"
+    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 10, **over}), target, RegeneratedData(root))
+    check(tr)
+    tr.run(progress=False)
+    check(tr)
+    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 12, **over}), target, RegeneratedData(root))
+    assert tr.step == 10
+    check(tr)
+    with pytest.raises(ConfigError, match="backbone is frozen"):
+        _cfg(root, out, method="dcoco", **over, **{"drafter.dcoco.train_backbone": False})
+
+
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):
     """drafter.dcoco.corrector_from puts a trained corrector on another DFlash (drafter.init_from):
     the backbone's weights come from the one, the corrector's from the other, widened where the

@@ -122,6 +122,10 @@ class Family:
         checkpoint `d.init_from`, of any family) or fresh for `target`; float32, in training mode."""
         raise NotImplementedError
 
+    def lr_scale(self, d) -> Optional[Callable[[str], float]]:
+        """Each trainable parameter's learning rate, by name, as a fraction of `optim.lr` (None: one rate)."""
+        return None
+
     def reads_last_layer(self, d) -> bool:
         """Whether its loss needs the target's last layer in the features (its own distribution)."""
         return False

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from pydantic import Field, model_validator
 
 from ..drafters.checkpoint import load_checkpoint, load_weights
 from ..drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel
@@ -20,6 +21,10 @@ class DCOCOSettings(DCOCOConfig):
     """`drafter.dcoco`: the corrector's shape and inference defaults (`DCOCOConfig`), plus training."""
 
     train_backbone: bool = True  # False: only the corrector learns, on a frozen (warm-started) DFlash backbone
+    # the backbone's learning rate as a fraction of optim.lr, the corrector's: a warm backbone trained
+    # with a fresh corrector at the corrector's rate loses more than the corrector gains
+    # (docs/experiments/2026-12-04-dcoco-corrector-on-stage-dflash.md)
+    backbone_lr_scale: float = Field(1.0, gt=0)
     corrector_weight: float = 1.0  # loss = DFlash's + corrector_weight * corrector's
     # + corrector_l1_weight * ||q - p_target||_1, q the T > 0 walk's distribution given the target's
     # previous token (its T=1 acceptance; needs the target's last layer in the data, as DSpark)
@@ -27,6 +32,12 @@ class DCOCOSettings(DCOCOConfig):
     # a DCOCO checkpoint whose trained corrector goes on the DFlash backbone of `drafter.init_from`:
     # the corrector continues onto the next stage's DFlash instead of starting from zero again
     corrector_from: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _backbone_rate(self):
+        if self.backbone_lr_scale != 1.0 and not self.train_backbone:
+            raise ValueError("backbone_lr_scale: the backbone is frozen (train_backbone=false)")
+        return self
 
     def corrector(self) -> DCOCOConfig:
         return narrowed(self, DCOCOConfig)
@@ -115,6 +126,13 @@ class DCOCOFamily(DFlashFamily):
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("corrector."))
         return self.finish(model, d, target, source)
+
+    def lr_scale(self, d) -> Optional[Callable[[str], float]]:
+        """`drafter.dcoco.backbone_lr_scale` for every parameter outside the corrector."""
+        s: DCOCOSettings = d.dcoco
+        if s.backbone_lr_scale == 1.0:
+            return None
+        return lambda name: 1.0 if name.startswith("corrector.") else s.backbone_lr_scale
 
     def corrector_on(self, d, target, start) -> DCOCOModel:
         """The corrector of `drafter.dcoco.corrector_from` on the backbone of `drafter.init_from`."""

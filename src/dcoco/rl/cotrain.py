@@ -88,7 +88,7 @@ class DraftCoTrainer:
         self.feature_taps = self.taps + ([target.num_layers] if self.family.reads_last_layer(cfg.arch) else [])
         self.loss = build_draft_loss(cfg, self.model, target)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = drafter_optimizer(self.model, cfg.lr, cfg.weight_decay)
+        self.opt = drafter_optimizer(self.model, cfg.lr, cfg.weight_decay, self.family.lr_scale(cfg.arch))
 
     def backward(self, samples: list[dict], feats: list[torch.Tensor], gen: torch.Generator) -> dict:
         """lambda * L_draft on this step's rollouts, backpropagated into the draft only. A frozen draft

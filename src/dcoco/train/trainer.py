@@ -26,7 +26,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,14 +64,20 @@ def samples_seen(checkpoint: str) -> int:
     return int(prov.get("step", 0)) * int(batch)
 
 
-def drafter_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, weight decay on matrices only (not norms and biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def drafter_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, scale: Optional[Callable[[str], float]] = None
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, weight decay on matrices only (not norms and biases).
+    `scale(name)` sets a parameter's rate as a fraction of `lr` (`Family.lr_scale`: a warm backbone
+    that a fresh head trains with keeps a lower one); the schedule multiplies every group alike."""
+    groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((p.ndim >= 2, scale(name) if scale else 1.0), []).append(p)
+    # matrices first, then by rate: with one rate, the two groups of every earlier run (resumable)
+    order = sorted(groups, key=lambda k: (not k[0], -k[1]))
     return torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
+        [{"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0, "lr": lr * k[1]} for k in order],
         lr=lr,
         betas=(0.9, 0.95),
     )
@@ -140,7 +146,7 @@ class Trainer:
             join_launched_job(p.context)
             self.rank = dist.get_rank()
         self.evaluator = Evaluator(self.loss, eval_features, self.eval_samples, cfg.data.max_length, self.autocast)
-        self.opt = drafter_optimizer(self.model, o.lr, o.weight_decay)
+        self.opt = drafter_optimizer(self.model, o.lr, o.weight_decay, self.family.lr_scale(d))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.lr_lambda)
         self.step = 0
         self.gen = torch.Generator().manual_seed(o.seed)
