@@ -54,7 +54,8 @@ def main() -> None:
     if len(ends) < 3:
         raise SystemExit(f"curve_projection.py: {len(ends)} stage ends from {a.since} sequences on; need 3")
     n_now, tau_now = ends[-1]
-    print(f"{len(ends)} stage ends from {ends[0][0]:,} to {n_now:,} sequences seen, τ {ends[0][1]:.3f} -> {tau_now:.3f}\n")
+    first = f"{ends[0][0]:,} sequences seen, τ {ends[0][1]:.3f}"
+    print(f"{len(ends)} stage ends, from {first} to {n_now:,}, τ {tau_now:.3f}\n")
     body = []
     for name, transform, inverse in (
         ("line", lambda n: n, lambda x: x),
