@@ -581,16 +581,18 @@ def test_dcoco_backbone_trains_at_its_own_rate(tiny_data, tmp_path):
             assert rate[id(p)][0] == pytest.approx(want), name
         assert len({round(r[1], 12) for r in rate.values()}) == 1  # the schedule scales every group alike
 
-    out = tmp_path / "dcoco"
-    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 10, **over}), target, RegeneratedData(root))
+    out, data = tmp_path / "dcoco", RegeneratedData(root)
+    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 10, **over}), target, data)
     check(tr)
     tr.run(progress=False)
     check(tr)
-    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 12, **over}), target, RegeneratedData(root))
+    tr = Trainer(_cfg(root, out, method="dcoco", **{"optim.steps": 12, **over}), target, data)
     assert tr.step == 10
     check(tr)
     with pytest.raises(ConfigError, match="backbone is frozen"):
         _cfg(root, out, method="dcoco", **over, **{"drafter.dcoco.train_backbone": False})
+    with pytest.raises(ConfigError, match="saved optimizer does not match"):  # one rate now: two groups, not four
+        Trainer(_cfg(root, out, method="dcoco", **{**over, "drafter.dcoco.backbone_lr_scale": 1.0}), target, data)
 
 
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):

@@ -421,7 +421,10 @@ class Trainer:
             raise ConfigError(
                 f"{path}: saved model does not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
-        self.opt.load_state_dict(st["opt"])
+        try:
+            self.opt.load_state_dict(st["opt"])
+        except ValueError as e:  # other groups: the trainable parameters or their rates changed
+            raise ConfigError(f"{path}: saved optimizer does not match the config ({e})") from None
         self.sched.load_state_dict(st["sched"])
         self.step, self.epoch, self.order, self.cursor = st["step"], st["epoch"], st["order"], st["cursor"]
         self.train_seconds = st.get("train_seconds", 0.0)
