@@ -15,6 +15,8 @@ import argparse
 import math
 from pathlib import Path
 
+import numpy
+
 from dcoco.bench.report import markdown_table
 from dcoco.train.runstate import read_log
 from dcoco.train.trainer import CURVE_LOG
@@ -24,16 +26,10 @@ def stage_ends(rows: list[dict]) -> list[tuple[int, float]]:
     """(sequences seen, held-out τ as decoded) at each stage's last evaluation."""
     last: dict[int, dict] = {}
     for r in rows:
-        if "eval_tau_decode" in r and r["samples_seen"] >= last.get(r.get("stage", 0), {}).get("samples_seen", -1):
-            last[r.get("stage", 0)] = r
+        stage = r.get("stage", 0)
+        if "eval_tau_decode" in r and (stage not in last or r["samples_seen"] >= last[stage]["samples_seen"]):
+            last[stage] = r
     return sorted((r["samples_seen"], r["eval_tau_decode"]) for r in last.values())
-
-
-def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares a, b of y = a + b x."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
 
 
 def main() -> None:
@@ -61,7 +57,7 @@ def main() -> None:
         ("line", lambda n: n, lambda x: x),
         ("logarithm", math.log, math.exp),
     ):
-        k, b = fit([transform(n) for n, _ in ends], [t for _, t in ends])
+        b, k = numpy.polyfit([transform(n) for n, _ in ends], [t for _, t in ends], 1)
         at_now = k + b * transform(n_now)
         more = inverse((a.goal - k) / b) - n_now if b > 0 else math.inf
         slope = b * (1000 if name == "line" else 1000 / n_now)  # per 1,000 sequences, at the last end
