@@ -439,6 +439,29 @@ def test_train_samples_draws_a_seeded_subset_and_trains_only_on_it(tiny_data, tm
     assert seen == set(ids)
 
 
+def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path):
+    """data.exclude_subsets=[[seed, N]] leaves out exactly the N samples that data.train_samples=N drew
+    with that seed: the rest without data.train_samples, a new draw among the rest with it, and a
+    one-line error when nothing is left."""
+    target, root = tiny_data
+    full = {s["id"] for s in Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples}
+    drawn = Trainer(
+        _cfg(root, tmp_path / "a", **{"data.train_samples": 3, "optim.seed": 1}), target, RegeneratedData(root)
+    )
+    first = {s["id"] for s in drawn.train_samples}
+    rest = Trainer(_cfg(root, tmp_path / "b", **{"data.exclude_subsets": [[1, 3]]}), target, RegeneratedData(root))
+    assert {s["id"] for s in rest.train_samples} == full - first
+    over = {"data.exclude_subsets": [[1, 3]], "data.train_samples": 2, "optim.seed": 1}
+    second = {s["id"] for s in Trainer(_cfg(root, tmp_path / "c", **over), target, RegeneratedData(root)).train_samples}
+    assert len(second) == 2 and second <= full - first
+    with pytest.raises(ConfigError, match="leaves none"):
+        Trainer(
+            _cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[1, 3], [2, len(full)]]}),
+            target,
+            RegeneratedData(root),
+        )
+
+
 def test_training_loss_falls(tiny_data, tmp_path):
     target, root = tiny_data
     tr = Trainer(_cfg(root, tmp_path / "run"), target, RegeneratedData(root))

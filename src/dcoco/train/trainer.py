@@ -64,6 +64,15 @@ def samples_seen(checkpoint: str) -> int:
     return int(prov.get("step", 0)) * int(batch)
 
 
+def drawn_subset(n: int, seed: int, count: int) -> list[int]:
+    """The indices (sorted) of the `count` of `n` training samples that `data.train_samples=count`
+    draws with `optim.seed=seed` (all of them when count >= n): what a later stage leaves out with
+    `data.exclude_subsets` is exactly what an earlier one trained on."""
+    if count >= n:
+        return list(range(n))
+    return sorted(random.Random(seed).sample(range(n), count))
+
+
 def drafter_optimizer(
     model: torch.nn.Module, lr: float, weight_decay: float, scale: Optional[Callable[[str], float]] = None
 ) -> torch.optim.AdamW:
@@ -111,9 +120,13 @@ class Trainer:
         self.eval_samples = held[: cfg.data.eval_samples]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
-        subset = cfg.data.train_samples
-        if subset is not None and subset < len(self.train_samples):
-            picked = sorted(random.Random(o.seed).sample(range(len(self.train_samples)), subset))
+        n = len(self.train_samples)
+        left_out = {i for seed, count in cfg.data.exclude_subsets for i in drawn_subset(n, seed, count)}
+        self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
+        if not self.train_samples:
+            raise ConfigError(f"data.exclude_subsets leaves none of the {n} training samples")
+        if cfg.data.train_samples is not None:
+            picked = drawn_subset(len(self.train_samples), o.seed, cfg.data.train_samples)
             self.train_samples = [self.train_samples[i] for i in picked]
         self.device = target.device
         source = ModelSource(
