@@ -121,6 +121,46 @@ def test_widened_corrector_scores_as_before_and_every_new_weight_learns():
         small.take(wide)
 
 
+def test_bigram_table_is_read_exactly_and_travels_with_the_corrector(tmp_path):
+    """A bigram table: its features are log c(a, b) / (c(a) + 1) (an unseen pair counted as half) and
+    log(c(a) + 1), scaled; with its input weights at zero the corrector scores exactly as without it,
+    with them trained it scores otherwise; a checkpoint and a widened corrector keep it exactly."""
+    target = tiny()
+    model = dcoco_model(target, randomize=True)
+    V = target.vocab_size
+    N, P, K, H = 2, 4, 3, target.hidden_size
+    ids = torch.randint(0, V, (N, P, K))
+    emb, hid, logits = torch.randn(N, P, K, H), torch.randn(N, P, H), torch.randn(N, P, K)
+    before = model.corrector(emb, hid, logits)[0]
+    a0, b0, a1, b1 = int(ids[0, 0, 1]), int(ids[0, 1, 2]), int(ids[1, 2, 0]), int(ids[1, 3, 1])
+    table = {(a0, b0): 6, (a1, b1): 2, (a0, (b0 + 1) % V): 3}
+    table = {k: v for k, v in table.items() if k != (a1, b1) or a1 != a0}  # keys distinct whatever was drawn
+    keys = torch.tensor([a * V + b for a, b in table])
+    model.corrector.set_bigrams(keys.flip(0), torch.tensor(list(table.values())).flip(0))  # any order
+    assert model.dcfg.bigram_pairs == len(table)
+    f = model.corrector.bigram_features(ids)
+    total = sum(v for (a, _), v in table.items() if a == a0)
+    assert f[0, 0, 1, 2].tolist() == pytest.approx([math.log(6 / (total + 1)) / 4, math.log(total + 1) / 8])
+    unseen = (int(ids[0, 0, 0]), int(ids[0, 1, 0]))
+    if unseen not in table:
+        c = sum(v for (a, _), v in table.items() if a == unseen[0])
+        assert f[0, 0, 0, 0, 0] == pytest.approx(math.log(0.5 / (c + 1)) / 4)
+    assert torch.equal(model.corrector(emb, hid, logits, ids)[0], before)  # its weights start at zero
+    with pytest.raises(ValueError, match="token ids"):
+        model.corrector(emb, hid, logits)
+    torch.nn.init.normal_(model.corrector.w_g.weight, std=3.0)
+    after = model.corrector(emb, hid, logits, ids)[0]
+    assert not torch.allclose(after, before)
+    get_family("dcoco").save(tmp_path / "ck", model, dtype=torch.float32)
+    loaded = load_trained(tmp_path / "ck")[1]
+    assert loaded.dcfg.bigram_pairs == len(table)
+    assert torch.equal(loaded.corrector.bigram_keys, model.corrector.bigram_keys)
+    assert torch.equal(loaded.corrector(emb, hid, logits, ids)[0], after)
+    wide = Corrector(H, DCOCOConfig(**{**model.dcfg.model_dump(), "hidden": 48}), vocab_size=V)
+    wide.take(model.corrector)
+    assert torch.allclose(wide(emb, hid, logits, ids)[0], after, rtol=1e-5, atol=1e-5)
+
+
 def test_walk_matches_brute_force():
     torch.manual_seed(0)
     scores = torch.randn(5, 6, 4, 4)

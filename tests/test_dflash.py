@@ -21,7 +21,7 @@ from dcoco.drafters.dflash import (
 from dcoco.engine import SpeculativeEngine
 from dcoco.families import load_trained
 from dcoco.train.acceptance import decode_acceptance
-from dcoco.train.batch import make_batch, position_weights, sample_anchors
+from dcoco.train.batch import make_batch, pair_counts, position_weights, sample_anchors
 from dcoco.train.config import load_config
 from dcoco.train.data import Prompt, RegeneratedData, regenerate
 from dcoco.train.trainer import Trainer
@@ -616,6 +616,42 @@ def test_dcoco_backbone_trains_at_its_own_rate(tiny_data, tmp_path):
         _cfg(root, out, method="dcoco", **over, **{"drafter.dcoco.train_backbone": False})
     with pytest.raises(ConfigError, match="saved optimizer does not match"):  # one rate now: two groups, not four
         Trainer(_cfg(root, out, method="dcoco", **{**over, "drafter.dcoco.backbone_lr_scale": 1.0}), target, data)
+
+
+def test_dcoco_bigram_table_counts_every_training_answer_and_no_held_out_one(tiny_data, tmp_path):
+    """drafter.dcoco.bigram: the table counts the neighbouring pairs of every training answer of
+    data.path (not only the subset data.train_samples draws), none of a held-out one; a run
+    continued from the checkpoint keeps it; it cannot be set by hand."""
+    target, root = tiny_data
+    Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
+    over = {
+        "optim.steps": 6,
+        "data.train_samples": 3,
+        "drafter.init_from": str(tmp_path / "a" / "drafter"),
+        "drafter.dcoco.bigram": True,
+        "drafter.dcoco.top_k": 3,
+        "drafter.dcoco.proj_dim": 8,
+        "drafter.dcoco.hidden": 16,
+    }
+    tr = Trainer(_cfg(root, tmp_path / "c", method="dcoco", **over), target, RegeneratedData(root))
+    full = Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples
+    keys, counts = pair_counts(full, target.vocab_size)
+    corr = tr.model.corrector
+    assert (
+        len(tr.train_samples) == 3
+        and torch.equal(corr.bigram_keys, keys)
+        and torch.equal(corr.bigram_counts, counts.int())
+    )
+    held = [s for s in RegeneratedData(root).samples() if s not in full]
+    assert held and counts.sum() == sum(len(s["input_ids"]) - s["prompt_len"] for s in full)
+    tr.run(progress=False)
+    assert tr.model.corrector.w_g.weight.abs().sum() > 0  # it learns to read the table (from zero)
+    more = {**over, "drafter.init_from": str(tmp_path / "c" / "drafter"), "data.train_samples": 2}
+    again = Trainer(_cfg(root, tmp_path / "d", method="dcoco", **more), target, RegeneratedData(root)).model.corrector
+    saved = load_trained(tmp_path / "c" / "drafter", dtype=torch.float32)[1].corrector
+    assert torch.equal(again.bigram_keys, keys) and torch.equal(again.w_g.weight, saved.w_g.weight)
+    with pytest.raises(ConfigError, match="set by training"):
+        _cfg(root, tmp_path / "x", method="dcoco", **{"drafter.dcoco.bigram_pairs": 5})
 
 
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):

@@ -58,14 +58,23 @@ class DCOCOConfig(BaseModel):
     )
     sampled_head: bool = False  # extension: a second output of Delta scores the T > 0 walks (trained to match p_target)
     anchor_pair: bool = False  # extension: a pair (anchor, slot 1) so the first draft slot is corrected too
+    # extension: pairs in the corpus bigram table Delta reads (buffers `bigram_*`, built by training from
+    # the target's answers: `drafter.dcoco.bigram`); 0: none
+    bigram_pairs: int = 0
 
 
 class Corrector(nn.Module):
-    """Scores all K x K candidate pairs of every neighbouring pair of draft positions."""
+    """Scores all K x K candidate pairs of every neighbouring pair of draft positions.
 
-    def __init__(self, hidden_size: int, cfg: DCOCOConfig, eps: float = 1e-6):
+    With a bigram table (`bigram_pairs` > 0) Delta also reads, for each pair (a, b), how often the
+    target's own answers continue a with b: log c(a, b) / (c(a) + 1) and log(c(a) + 1). The drafter
+    computes every slot blind to the token chosen before it, and a table of the target's bigrams is
+    exact where the learned z_a * z_b term can only approximate them."""
+
+    def __init__(self, hidden_size: int, cfg: DCOCOConfig, eps: float = 1e-6, vocab_size: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.vocab_size = vocab_size
         d, h = cfg.proj_dim, cfg.hidden
         self.proj_emb = nn.Linear(hidden_size, d, bias=False)
         self.proj_hid = nn.Linear(hidden_size, d, bias=False)
@@ -88,6 +97,44 @@ class Corrector(nn.Module):
             if layer is not None:
                 nn.init.zeros_(layer.weight)
                 nn.init.zeros_(layer.bias)
+        self.w_g = None
+        if cfg.bigram_pairs:
+            n = cfg.bigram_pairs
+            self._bigram_buffers(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.int32))
+
+    def _bigram_buffers(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """The table, integers (saved exactly): keys a * V + b (sorted), their counts c(a, b), and
+        c(a) for every a."""
+        if not self.vocab_size:
+            raise ValueError("a corrector with a bigram table needs the vocabulary size")
+        dev = self.out.weight.device
+        keys, counts = keys.to(dev), counts.to(device=dev, dtype=torch.int32)
+        totals = torch.zeros(self.vocab_size, dtype=torch.int32, device=dev).index_add_(
+            0, keys // self.vocab_size, counts
+        )
+        self.register_buffer("bigram_keys", keys)
+        self.register_buffer("bigram_counts", counts)
+        self.register_buffer("bigram_totals", totals)
+        if self.w_g is None:
+            self.w_g = nn.Linear(2, self.cfg.hidden, bias=False, device=dev)
+            nn.init.zeros_(self.w_g.weight)  # a trained corrector scores exactly as before until it learns
+
+    def set_bigrams(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Read the bigram table `keys` (a * V + b, distinct) with their counts from now on."""
+        order = keys.argsort()
+        self.cfg.bigram_pairs = keys.numel()
+        self._bigram_buffers(keys[order].long(), counts[order])
+
+    def bigram_features(self, ids: torch.Tensor) -> torch.Tensor:
+        """(N, P-1, K, K, 2) for the candidate ids (N, P, K): log c(a, b) / (c(a) + 1), an unseen pair
+        counted as half, and log(c(a) + 1), both scaled to about unit size."""
+        a, b = ids[:, :-1], ids[:, 1:]
+        keys = a.unsqueeze(3) * self.vocab_size + b.unsqueeze(2)
+        pos = torch.searchsorted(self.bigram_keys, keys).clamp(max=self.bigram_keys.numel() - 1)
+        seen = self.bigram_keys[pos] == keys
+        log_count = torch.where(seen, self.bigram_counts[pos].float(), 0.5).log()
+        log_total = self.bigram_totals[a].float().log1p().unsqueeze(3).expand_as(log_count)
+        return torch.stack([(log_count - log_total) / 4, log_total / 8], dim=-1)
 
     @torch.no_grad()
     def take(self, trained: "Corrector") -> None:
@@ -117,6 +164,8 @@ class Corrector(nn.Module):
         for out in (self.out, self.out_sampled):
             if out is not None:
                 out.weight[:, h0:] = 0
+        if trained.cfg.bigram_pairs:  # its table comes with it (`w_g` came with the parameters)
+            self.set_bigrams(trained.bigram_keys, trained.bigram_counts)
         for norm in (self.norm_emb, self.norm_hid, self.norm_pair):
             norm.weight[:d0] *= (d0 / d1) ** 0.5
 
@@ -130,12 +179,15 @@ class Corrector(nn.Module):
             hh = torch.zeros_like(hh)
         return F.silu(self.fuse(torch.cat([e, hh], dim=-1)))
 
-    def forward(self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, emb: torch.Tensor, hid: torch.Tensor, logits: torch.Tensor, ids: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Transition scores S (N, P-1, K, K): S[:, p, a, b] = l_{p+1}(b) + Delta(a, b), for the greedy
         walk and for the T > 0 walks (the same tensor without a `sampled_head`), from one pass.
 
         emb: (N, P, K, H) candidate embeddings; hid: (N, P, H) drafter hidden states;
-        logits: (N, P, K) the drafter's logits of the candidates."""
+        logits: (N, P, K) the drafter's logits of the candidates; ids: (N, P, K) their token ids
+        (read with a bigram table only)."""
         z = self.candidates(emb, hid)
         za, zb = z[:, :-1], z[:, 1:]  # (N, P-1, K, d)
         # every term but W_ab (z_a * z_b) depends on one side only: sum it per side, broadcast once
@@ -148,6 +200,10 @@ class Corrector(nn.Module):
             s = self.norm_pair(self.proj_pair(torch.cat([hid[:, :-1], hid[:, 1:]], dim=-1)))
             side_a = side_a + self.w_s(s).unsqueeze(2)
         x = self.w_ab(za.unsqueeze(3) * zb.unsqueeze(2))  # (N, P-1, K, K, h)
+        if self.w_g is not None:
+            if ids is None:
+                raise ValueError("a corrector with a bigram table needs the candidates' token ids")
+            x = x + self.w_g(self.bigram_features(ids).to(x.dtype))
         x = F.silu(x.add_(side_a.unsqueeze(3)).add_(side_b.unsqueeze(2)))
         base = lg[:, 1:].unsqueeze(2)
         if self.out_sampled is None:
@@ -232,7 +288,7 @@ class DCOCOModel(DFlashModel):
     def __init__(self, cfg: DFlashConfig, dcfg: DCOCOConfig):
         super().__init__(cfg)
         self.dcfg = dcfg
-        self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps)
+        self.corrector = Corrector(cfg.hidden_size, dcfg, cfg.rms_norm_eps, cfg.vocab_size)
 
     @property
     def lead(self) -> int:
@@ -263,7 +319,7 @@ class DCOCOModel(DFlashModel):
             hidden = torch.cat([anchor_hidden.unsqueeze(1).to(hidden.dtype), hidden], dim=1)
         with torch.no_grad():
             emb = embed(ids)
-        return ids, vals, *self.corrector(emb.to(hidden.dtype), hidden, vals)
+        return ids, vals, *self.corrector(emb.to(hidden.dtype), hidden, vals, ids)
 
 
 class DCOCODrafter(BlockDrafter):

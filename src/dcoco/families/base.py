@@ -41,11 +41,13 @@ class LossParts:
 @dataclass
 class ModelSource:
     """What a fresh drafter is shaped from besides its settings: the response-token counts of the
-    training data for the draft vocabulary (None: no data, e.g. an RL run), and the target taps the
-    data holds (None: any)."""
+    training data for the draft vocabulary (None: no data, e.g. an RL run), the target taps the
+    data holds (None: any), and the training answers (hold-out left out) of the given directories,
+    data.path's by default (DCOCO's bigram table; None: no data)."""
 
     counts: Optional[Callable[[], torch.Tensor]] = None
     taps: Optional[list[int]] = None
+    answers: Optional[Callable[[Optional[list[str]]], list[dict]]] = None
 
 
 class Family:

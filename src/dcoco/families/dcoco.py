@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from pydantic import Field, model_validator
@@ -12,6 +12,7 @@ from ..drafters.checkpoint import load_checkpoint, load_weights
 from ..drafters.dcoco import DCOCOConfig, DCOCODrafter, DCOCOModel
 from ..drafters.dflash import DFlashConfig, save_dflash
 from ..errors import ConfigError
+from ..train.batch import pair_counts
 from ..train.losses import DCOCOLoss
 from .base import LossParts, ModelSource, narrowed
 from .dflash import DFLASH, DFlashFamily
@@ -32,11 +33,20 @@ class DCOCOSettings(DCOCOConfig):
     # a DCOCO checkpoint whose trained corrector goes on the DFlash backbone of `drafter.init_from`:
     # the corrector continues onto the next stage's DFlash instead of starting from zero again
     corrector_from: Optional[str] = None
+    # give the pair scores a table of the target's bigrams (`Corrector`), counted over the training
+    # answers of bigram_path (None: data.path's, all of them whatever data.train_samples draws; never
+    # a held-out one). A corrector that has a table keeps it
+    bigram: bool = False
+    bigram_path: Union[str, list[str], None] = None
 
     @model_validator(mode="after")
     def _backbone_rate(self):
         if self.backbone_lr_scale != 1.0 and not self.train_backbone:
             raise ValueError("backbone_lr_scale: the backbone is frozen (train_backbone=false)")
+        if "bigram_pairs" in self.model_fields_set:
+            raise ValueError("bigram_pairs is set by training (drafter.dcoco.bigram=true)")
+        if self.bigram_path is not None and not self.bigram:
+            raise ValueError("bigram_path: drafter.dcoco.bigram is off")
         return self
 
     def corrector(self) -> DCOCOConfig:
@@ -122,6 +132,13 @@ class DCOCOFamily(DFlashFamily):
             backbone = DFLASH.backbone(d, target, start)
             model = DCOCOModel(backbone.cfg, s.corrector())
             model.load_state_dict(backbone.state_dict(), strict=False)
+        if s.bigram and not model.dcfg.bigram_pairs:
+            if source.answers is None:
+                raise ConfigError(
+                    "drafter.dcoco.bigram: the table is counted over training data, and this run has none"
+                )
+            paths = [s.bigram_path] if isinstance(s.bigram_path, str) else s.bigram_path
+            model.corrector.set_bigrams(*pair_counts(source.answers(paths), model.cfg.vocab_size))
         if not s.train_backbone:
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("corrector."))

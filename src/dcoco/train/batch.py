@@ -34,6 +34,14 @@ def token_counts(samples: Iterable[dict], vocab_size: int, max_length: int) -> t
     return counts
 
 
+def pair_counts(samples: Iterable[dict], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct neighbouring pairs (a, b) of the answers in `samples` (from the prompt's last
+    token on, which an answer's first block is drafted after) as keys a * V + b, and their counts."""
+    keys = [torch.tensor(s["input_ids"][s["prompt_len"] - 1 :], dtype=torch.long) for s in samples]
+    keys = torch.cat([k[:-1] * vocab_size + k[1:] for k in keys] or [torch.zeros(0, dtype=torch.long)])
+    return torch.unique(keys, return_counts=True)
+
+
 def top_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The n most frequent token ids (ties by lower id), sorted by id."""
     order = torch.sort(-counts, stable=True).indices

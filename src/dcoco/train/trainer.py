@@ -64,6 +64,13 @@ def samples_seen(checkpoint: str) -> int:
     return int(prov.get("step", 0)) * int(batch)
 
 
+def training_answers(target, paths: list[str], permille: int) -> list[dict]:
+    """Every answer of the directories `paths` that is not held out (by the same hash as the data's)."""
+    union = RegeneratedUnion(paths)
+    check_data(target, union, online=True)  # token ids only
+    return [s for s in union.samples() if not is_eval_sample(s["id"], permille)]
+
+
 def drawn_subset(n: int, seed: int, count: int) -> list[int]:
     """The indices (sorted) of the `count` of `n` training samples that `data.train_samples=count`
     draws with `optim.seed=seed` (all of them when count >= n): what a later stage leaves out with
@@ -120,7 +127,7 @@ class Trainer:
         self.eval_samples = held[: cfg.data.eval_samples]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
-        n = len(self.train_samples)
+        every_answer, n = self.train_samples, len(self.train_samples)
         left_out = {i for seed, count in cfg.data.exclude_subsets for i in drawn_subset(n, seed, count)}
         self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
         if not self.train_samples:
@@ -132,6 +139,9 @@ class Trainer:
         source = ModelSource(
             counts=lambda: token_counts(self.train_samples, target.vocab_size, cfg.data.max_length),
             taps=list(data.manifest["taps"]),
+            answers=lambda paths: (
+                every_answer if paths is None else training_answers(target, paths, cfg.data.eval_permille)
+            ),
         )
         with torch.device(self.device):  # the drafter, its heads and the loss buffers live by the target
             self.model = build_model(self.family, d, target, source).to(self.device)
