@@ -389,6 +389,10 @@ def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_
     assert any("eval_loss" in r for r in tr.curve_rows())
 
 
+#: a corrector small enough for the tiny target
+SMALL_CORRECTOR = {"drafter.dcoco.top_k": 3, "drafter.dcoco.proj_dim": 8, "drafter.dcoco.hidden": 16}
+
+
 def _cfg(root, out, **over):
     base = {
         "data.path": str(root),
@@ -563,9 +567,7 @@ def test_dcoco_warm_start_trains_the_corrector_alone(tiny_data, tmp_path):
         "optim.steps": 4,
         "drafter.init_from": str(tmp_path / "dflash" / "drafter"),
         "drafter.dcoco.train_backbone": False,
-        "drafter.dcoco.top_k": 3,
-        "drafter.dcoco.proj_dim": 8,
-        "drafter.dcoco.hidden": 16,
+        **SMALL_CORRECTOR,
     }
     tr = Trainer(_cfg(root, tmp_path / "dcoco", method="dcoco", **over), target, RegeneratedData(root))
     tr.run(progress=False)
@@ -592,9 +594,7 @@ def test_dcoco_backbone_trains_at_its_own_rate(tiny_data, tmp_path):
     over = {
         "drafter.init_from": str(tmp_path / "dflash" / "drafter"),
         "drafter.dcoco.backbone_lr_scale": 0.1,
-        "drafter.dcoco.top_k": 3,
-        "drafter.dcoco.proj_dim": 8,
-        "drafter.dcoco.hidden": 16,
+        **SMALL_CORRECTOR,
     }
 
     def check(tr: Trainer) -> None:
@@ -629,9 +629,7 @@ def test_dcoco_bigram_table_counts_every_training_answer_and_no_held_out_one(tin
         "data.train_samples": 3,
         "drafter.init_from": str(tmp_path / "a" / "drafter"),
         "drafter.dcoco.bigram": True,
-        "drafter.dcoco.top_k": 3,
-        "drafter.dcoco.proj_dim": 8,
-        "drafter.dcoco.hidden": 16,
+        **SMALL_CORRECTOR,
     }
     tr = Trainer(_cfg(root, tmp_path / "c", method="dcoco", **over), target, RegeneratedData(root))
     full = Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples
@@ -661,8 +659,7 @@ def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path
     shape is refused."""
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
-    shape = {"drafter.dcoco.top_k": 3, "drafter.dcoco.proj_dim": 8, "drafter.dcoco.hidden": 16}
-    first = {"optim.steps": 3, "drafter.init_from": str(tmp_path / "a" / "drafter"), **shape}
+    first = {"optim.steps": 3, "drafter.init_from": str(tmp_path / "a" / "drafter"), **SMALL_CORRECTOR}
     Trainer(_cfg(root, tmp_path / "c", method="dcoco", **first), target, RegeneratedData(root)).run(progress=False)
     more = {"optim.steps": 2, "drafter.init_from": str(tmp_path / "a" / "drafter")}
     Trainer(_cfg(root, tmp_path / "b", **more), target, RegeneratedData(root)).run(progress=False)
