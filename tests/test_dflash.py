@@ -444,9 +444,9 @@ def test_train_samples_draws_a_seeded_subset_and_trains_only_on_it(tiny_data, tm
 
 
 def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path):
-    """data.exclude_subsets=[[seed, N]] leaves out exactly the N samples that data.train_samples=N drew
-    with that seed: the rest without data.train_samples, a new draw among the rest with it, and a
-    one-line error when nothing is left."""
+    """data.exclude_subsets=[[seed, N], ...] leaves out exactly the N samples that data.train_samples=N
+    drew with that seed, stage after stage: the rest without data.train_samples, a new draw among the
+    rest with it, and a one-line error when nothing is left."""
     target, root = tiny_data
     full = {s["id"] for s in Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples}
     drawn = Trainer(
@@ -458,6 +458,10 @@ def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path
     over = {"data.exclude_subsets": [[1, 3]], "data.train_samples": 2, "optim.seed": 1}
     second = {s["id"] for s in Trainer(_cfg(root, tmp_path / "c", **over), target, RegeneratedData(root)).train_samples}
     assert len(second) == 2 and second <= full - first
+    # a third stage leaves out both: each pair is a draw from what the pairs before it left
+    chained = {"data.exclude_subsets": [[1, 3], [1, 2]]}
+    third = Trainer(_cfg(root, tmp_path / "e", **chained), target, RegeneratedData(root)).train_samples
+    assert {s["id"] for s in third} == full - first - second
     with pytest.raises(ConfigError, match="leaves none"):
         Trainer(
             _cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[1, 3], [2, len(full)]]}),

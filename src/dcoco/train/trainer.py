@@ -128,8 +128,9 @@ class Trainer:
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
         every_answer, n = self.train_samples, len(self.train_samples)
-        left_out = {i for seed, count in cfg.data.exclude_subsets for i in drawn_subset(n, seed, count)}
-        self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
+        for seed, count in cfg.data.exclude_subsets:  # in stage order: each stage drew from what was left
+            left_out = set(drawn_subset(len(self.train_samples), seed, count))
+            self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
         if not self.train_samples:
             raise ConfigError(f"data.exclude_subsets leaves none of the {n} training samples")
         if cfg.data.train_samples is not None:
