@@ -344,7 +344,8 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
 def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_out(tiny_data, tmp_path):
     """Token ids answered in another dtype (a CPU without bf16 matrix units answers in float32) train
     with the others on online features, while stored features of two dtypes are refused; and
-    `data.eval_path` evaluates another set's hold-out, which is never trained on."""
+    `data.eval_path` evaluates another set's hold-out, which is never trained on, recomputing its
+    features when it holds token ids alone."""
     import json
     import shutil
 
@@ -385,6 +386,11 @@ def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_
     held = [s["id"] for s in RegeneratedData(root).samples() if is_eval_sample(s["id"], 200)]
     assert held and [s["id"] for s in tr.eval_samples] == held[:6]
     assert tr.train_samples and all(s["id"].startswith("n") for s in tr.train_samples)
+    tr.run(progress=False)
+    assert any("eval_loss" in r for r in tr.curve_rows())
+    # stored features train beside an eval_path of token ids alone, whose features are recomputed
+    over = {"data.features": "stored", "data.eval_path": str(new), "optim.steps": 2, "run.eval_every": 2}
+    tr = Trainer(_cfg(str(root), tmp_path / "stored", **over), target, RegeneratedData(root))
     tr.run(progress=False)
     assert any("eval_loss" in r for r in tr.curve_rows())
 
