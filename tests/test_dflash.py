@@ -344,7 +344,8 @@ def test_union_of_regenerated_sets(tiny_data, tmp_path):
 def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_out(tiny_data, tmp_path):
     """Token ids answered in another dtype (a CPU without bf16 matrix units answers in float32) train
     with the others on online features, while stored features of two dtypes are refused; and
-    `data.eval_path` evaluates another set's hold-out, which is never trained on."""
+    `data.eval_path` evaluates another set's hold-out, which is never trained on, recomputing its
+    features when it holds token ids alone."""
     import json
     import shutil
 
@@ -385,6 +386,11 @@ def test_token_ids_of_another_dtype_train_together_and_eval_path_keeps_the_hold_
     held = [s["id"] for s in RegeneratedData(root).samples() if is_eval_sample(s["id"], 200)]
     assert held and [s["id"] for s in tr.eval_samples] == held[:6]
     assert tr.train_samples and all(s["id"].startswith("n") for s in tr.train_samples)
+    tr.run(progress=False)
+    assert any("eval_loss" in r for r in tr.curve_rows())
+    # stored features train beside an eval_path of token ids alone, whose features are recomputed
+    over = {"data.features": "stored", "data.eval_path": str(new), "optim.steps": 2, "run.eval_every": 2}
+    tr = Trainer(_cfg(str(root), tmp_path / "stored", **over), target, RegeneratedData(root))
     tr.run(progress=False)
     assert any("eval_loss" in r for r in tr.curve_rows())
 
@@ -444,9 +450,9 @@ def test_train_samples_draws_a_seeded_subset_and_trains_only_on_it(tiny_data, tm
 
 
 def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path):
-    """data.exclude_subsets=[[seed, N]] leaves out exactly the N samples that data.train_samples=N drew
-    with that seed: the rest without data.train_samples, a new draw among the rest with it, and a
-    one-line error when nothing is left."""
+    """data.exclude_subsets=[[seed, N], ...] leaves out exactly the N samples that data.train_samples=N
+    drew with that seed, stage after stage: the rest without data.train_samples, a new draw among the
+    rest with it, and a one-line error when nothing is left."""
     target, root = tiny_data
     full = {s["id"] for s in Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples}
     drawn = Trainer(
@@ -458,6 +464,10 @@ def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path
     over = {"data.exclude_subsets": [[1, 3]], "data.train_samples": 2, "optim.seed": 1}
     second = {s["id"] for s in Trainer(_cfg(root, tmp_path / "c", **over), target, RegeneratedData(root)).train_samples}
     assert len(second) == 2 and second <= full - first
+    # a third stage leaves out both: each pair is a draw from what the pairs before it left
+    chained = {"data.exclude_subsets": [[1, 3], [1, 2]]}
+    third = Trainer(_cfg(root, tmp_path / "e", **chained), target, RegeneratedData(root)).train_samples
+    assert {s["id"] for s in third} == full - first - second
     with pytest.raises(ConfigError, match="leaves none"):
         Trainer(
             _cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[1, 3], [2, len(full)]]}),

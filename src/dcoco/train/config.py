@@ -37,8 +37,9 @@ class DataSection(_Section):
     # its later epochs at about half the cost; the next stage's seed draws another subset
     train_samples: Optional[int] = Field(None, ge=1)
     # (optim.seed, data.train_samples) of the subsets earlier stages drew from the same data.path and
-    # data.max_length: left out before this run draws its own (or, without data.train_samples, trains
-    # on all the rest), so a stage trains on answers no stage has seen
+    # data.max_length, in the order they ran (each drew from what the ones before it left): left out
+    # before this run draws its own (or, without data.train_samples, trains on all the rest), so a
+    # stage trains on answers no stage has seen
     exclude_subsets: list[tuple[int, int]] = []
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
     # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a

@@ -120,16 +120,20 @@ class Trainer:
         samples = usable(data)
         self.train_samples = [s for s in samples if not is_eval_sample(s["id"], cfg.data.eval_permille)]
         eval_data = data if cfg.data.eval_path is None else RegeneratedUnion(cfg.data.eval_path)
+        # an eval_path of token ids alone (the packed corpus) has its features recomputed, whatever
+        # data.features reads for training (stored: new answers regenerated with their features)
+        eval_online = online or not eval_data.has_features
         if eval_data is not data:
-            check_data(target, eval_data, online)
+            check_data(target, eval_data, eval_online)
         pool = samples if eval_data is data else usable(eval_data)
         held = [s for s in pool if is_eval_sample(s["id"], cfg.data.eval_permille)]
         self.eval_samples = held[: cfg.data.eval_samples]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
         every_answer, n = self.train_samples, len(self.train_samples)
-        left_out = {i for seed, count in cfg.data.exclude_subsets for i in drawn_subset(n, seed, count)}
-        self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
+        for seed, count in cfg.data.exclude_subsets:  # in stage order: each stage drew from what was left
+            left_out = set(drawn_subset(len(self.train_samples), seed, count))
+            self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
         if not self.train_samples:
             raise ConfigError(f"data.exclude_subsets leaves none of the {n} training samples")
         if cfg.data.train_samples is not None:
@@ -150,7 +154,7 @@ class Trainer:
         self.features = FeatureSource(target, data, self.model.cfg.taps, last, online, cache)
         eval_features = self.features
         if eval_data is not data:  # stored features are read from the directory that holds the sample
-            eval_features = FeatureSource(target, eval_data, self.model.cfg.taps, last, online, cache)
+            eval_features = FeatureSource(target, eval_data, self.model.cfg.taps, last, eval_online, cache)
         self.embed = target.model.get_input_embeddings()
         self.lm_head = target.model.get_output_embeddings()
         for p in target.model.parameters():
