@@ -559,7 +559,7 @@ RESTARTED_ENV = "DCOCO_TRAIN_RESTARTED"
 
 
 def cmd_train(args) -> int:
-    from .parallel.launch import launched, torchrun
+    from .parallel.launch import launched, launched_rank, torchrun
     from .train.config import check_context_parallel, load_config
     from .train.run import train, warn_slow_bf16
 
@@ -569,7 +569,9 @@ def cmd_train(args) -> int:
         warn_slow_bf16(cfg)
     if cfg.parallel.context > 1 and not launched():  # this command again, one process per rank
         return torchrun(cfg.parallel.context, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
-    if train(cfg).restart_requested:  # run.restart_every: the same command in a fresh process resumes
+    with launched_rank():
+        restart = train(cfg).restart_requested
+    if restart:  # run.restart_every: the same command in a fresh process resumes
         sys.stdout.flush()
         sys.stderr.flush()
         os.environ[RESTARTED_ENV] = "1"
@@ -623,7 +625,7 @@ def cmd_rl(args) -> int:
         return 0
     if args.out is not None:
         raise ConfigError("--out is for 'rl compare'; set the run directory with run.out=DIR")
-    from .parallel.launch import launched, torchrun
+    from .parallel.launch import launched, launched_rank, torchrun
     from .rl.config import check_rl_parallel, load_rl_config
     from .rl.run import run_rl
 
@@ -631,7 +633,8 @@ def cmd_rl(args) -> int:
     check_rl_parallel(cfg)
     if cfg.processes > 1 and not launched():  # this command again, one process per rank of the grid
         return torchrun(cfg.processes, args.argv, log_dir=str(Path(cfg.run.out) / "ranks"))
-    run_rl(cfg, progress=not args.no_progress)
+    with launched_rank():
+        run_rl(cfg, progress=not args.no_progress)
     return 0
 
 

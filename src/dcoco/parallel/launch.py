@@ -1,4 +1,4 @@
-"""Starting distributed jobs: the commands' own (`torchrun`, `join_launched_job`) and a local
+"""Starting distributed jobs: the commands' own (`torchrun`, `join_launched_job`, `launched_rank`) and a local
 gloo job on loopback for tests and the CPU benchmark (`spawn_local`).
 
 `dcoco train` / `dcoco rl` with `parallel.context` > 1 start themselves again under torch's own
@@ -12,6 +12,7 @@ processes it started, and returns each rank's return value.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -19,7 +20,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 from .errors import WorldSizeMismatchError
 
-__all__ = ["free_port", "join_launched_job", "launched", "spawn_local", "torchrun"]
+__all__ = ["free_port", "join_launched_job", "launched", "launched_rank", "spawn_local", "torchrun"]
 
 
 def launched() -> bool:
@@ -89,6 +90,19 @@ def join_launched_job(world_size: int, timeout_s: float = 1800.0) -> None:
         raise WorldSizeMismatchError(f"the job has {size} processes, the config asks for {world_size}")
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def launched_rank() -> Iterator[None]:
+    """A command's work as a rank of a launched job: the rank leaves its process group before it
+    exits. Left to the interpreter's exit, gloo's threads are torn down in no set order, and now and
+    then the process aborts after its work is done ('terminate called without an active exception',
+    exit -6), which fails the whole job."""
+    try:
+        yield
+    finally:
+        if launched() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def free_port() -> int:
