@@ -665,11 +665,16 @@ def test_dcoco_bigram_table_counts_every_training_answer_and_no_held_out_one(tin
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):
     """drafter.dcoco.corrector_from puts a trained corrector on another DFlash (drafter.init_from):
     the backbone's weights come from the one, the corrector's from the other, widened where the
-    settings ask; a DCOCO checkpoint as the backbone, a DFlash one as the corrector, or a narrower
-    shape is refused."""
+    settings ask, with its bigram table; a DCOCO checkpoint as the backbone, a DFlash one as the
+    corrector, or a narrower shape is refused."""
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
-    first = {"optim.steps": 3, "drafter.init_from": str(tmp_path / "a" / "drafter"), **SMALL_CORRECTOR}
+    first = {
+        "optim.steps": 3,
+        "drafter.init_from": str(tmp_path / "a" / "drafter"),
+        "drafter.dcoco.bigram": True,
+        **SMALL_CORRECTOR,
+    }
     Trainer(_cfg(root, tmp_path / "c", method="dcoco", **first), target, RegeneratedData(root)).run(progress=False)
     more = {"optim.steps": 2, "drafter.init_from": str(tmp_path / "a" / "drafter")}
     Trainer(_cfg(root, tmp_path / "b", **more), target, RegeneratedData(root)).run(progress=False)
@@ -681,13 +686,15 @@ def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path
     got = Trainer(_cfg(root, tmp_path / "m", method="dcoco", **moved), target, RegeneratedData(root)).model.state_dict()
     for k, v in backbone.state_dict().items():
         assert torch.equal(got[k], v), k
-    for k, v in corrected.corrector.state_dict().items():
+    assert corrected.dcfg.bigram_pairs > 0 and "bigram_keys" in dict(corrected.corrector.named_buffers())
+    for k, v in corrected.corrector.state_dict().items():  # the table's buffers included
         assert torch.equal(got[f"corrector.{k}"], v), k
     assert not torch.equal(got["layers.0.mlp.up_proj.weight"], corrected.state_dict()["layers.0.mlp.up_proj.weight"])
     wider = {"drafter.dcoco.proj_dim": 12, "drafter.dcoco.hidden": 24}  # widened on the way (`Corrector.take`)
     wide = Trainer(_cfg(root, tmp_path / "w", method="dcoco", **moved, **wider), target, RegeneratedData(root)).model
     assert (wide.dcfg.proj_dim, wide.dcfg.hidden) == (12, 24)
     assert torch.equal(wide.corrector.w_ab.weight[:16, :8], corrected.corrector.w_ab.weight)
+    assert torch.equal(wide.corrector.bigram_counts, corrected.corrector.bigram_counts)
     for bad in (
         {**moved, "drafter.init_from": moved["drafter.dcoco.corrector_from"]},
         {**moved, "drafter.dcoco.corrector_from": moved["drafter.init_from"]},
