@@ -665,8 +665,11 @@ def test_dcoco_bigram_table_counts_every_training_answer_and_no_held_out_one(tin
 def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path):
     """drafter.dcoco.corrector_from puts a trained corrector on another DFlash (drafter.init_from):
     the backbone's weights come from the one, the corrector's from the other, widened where the
-    settings ask, with its bigram table; a DCOCO checkpoint as the backbone, a DFlash one as the
-    corrector, or a narrower shape is refused."""
+    settings ask, with its bigram table, and its evaluations onto the curve; a DCOCO checkpoint as
+    the backbone, a DFlash one as the corrector, or a narrower shape is refused."""
+    from dcoco.train.runstate import read_log
+    from dcoco.train.trainer import CURVE_LOG
+
     target, root = tiny_data
     Trainer(_cfg(root, tmp_path / "a", **{"optim.steps": 2}), target, RegeneratedData(root)).run(progress=False)
     first = {
@@ -683,9 +686,17 @@ def test_dcoco_corrector_moves_onto_the_next_stages_backbone(tiny_data, tmp_path
         "drafter.init_from": str(tmp_path / "b" / "drafter"),
         "drafter.dcoco.corrector_from": str(tmp_path / "c" / "drafter"),
     }
-    got = Trainer(_cfg(root, tmp_path / "m", method="dcoco", **moved), target, RegeneratedData(root)).model.state_dict()
+    on_next = Trainer(_cfg(root, tmp_path / "m", method="dcoco", **moved), target, RegeneratedData(root))
+    got = on_next.model.state_dict()
     for k, v in backbone.state_dict().items():
         assert torch.equal(got[k], v), k
+    # the corrector's evaluations come along onto the new backbone's curve, marked carried; the
+    # backbone's own rows (here without a corrector) make the line
+    own = [r for r in read_log(tmp_path / "c" / "drafter" / CURVE_LOG) if "eval_tau_dflash" in r]
+    carried = [r for r in on_next.curve_rows() if r.get("carried")]
+    assert own and [r["eval_tau_decode"] for r in carried] == [r["eval_tau_decode"] for r in own]
+    assert all("stage" not in r and "loss" not in r for r in carried)
+    assert not any("eval_tau_dflash" in r for r in on_next.curve_rows() if not r.get("carried"))
     assert corrected.dcfg.bigram_pairs > 0 and "bigram_keys" in dict(corrected.corrector.named_buffers())
     for k, v in corrected.corrector.state_dict().items():  # the table's buffers included
         assert torch.equal(got[f"corrector.{k}"], v), k

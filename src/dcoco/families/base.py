@@ -128,6 +128,11 @@ class Family:
         """Each trainable parameter's learning rate, by name, as a fraction of `optim.lr` (None: one rate)."""
         return None
 
+    def continued_part(self, d) -> Optional[str]:
+        """A checkpoint (other than `drafter.init_from`) a part of whose model this run continues on
+        the backbone of `init_from`: its corrected evaluations carry onto this run's curve."""
+        return None
+
     def reads_last_layer(self, d) -> bool:
         """Whether its loss needs the target's last layer in the features (its own distribution)."""
         return False

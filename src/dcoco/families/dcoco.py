@@ -151,6 +151,9 @@ class DCOCOFamily(DFlashFamily):
             return None
         return lambda name: 1.0 if name.startswith("corrector.") else s.backbone_lr_scale
 
+    def continued_part(self, d) -> Optional[str]:
+        return d.dcoco.corrector_from
+
     def corrector_on(self, d, target, start) -> DCOCOModel:
         """The corrector of `drafter.dcoco.corrector_from` on the backbone of `drafter.init_from`."""
         path = d.dcoco.corrector_from

@@ -17,6 +17,11 @@ def is_eval_sample(sample_id: str, permille: int = 20) -> bool:
     return int(hashlib.sha1(f"{sample_id}:heldout".encode()).hexdigest(), 16) % 1000 < permille
 
 
+def held_out(samples: Iterable[dict], permille: int, held: bool = True) -> list[dict]:
+    """The samples the hash holds out for evaluation, or (held=False) the ones training may use."""
+    return [s for s in samples if is_eval_sample(s["id"], permille) == held]
+
+
 def truncate(sample: dict, max_length: int) -> dict:
     """The sample cut to `max_length` tokens (prompt + response)."""
     if len(sample["input_ids"]) <= max_length:

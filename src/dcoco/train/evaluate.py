@@ -27,7 +27,7 @@ import torch
 from ..bench.report import markdown_table
 from ..errors import ConfigError
 from .acceptance import decode_acceptance_per_slot, expected_acceptance
-from .batch import is_eval_sample, loss_batch, truncate
+from .batch import held_out, loss_batch, truncate
 from .features import FeatureSource
 
 
@@ -168,7 +168,7 @@ def heldout_samples(data, split: str, permille: int, limit: Optional[int]) -> li
     tokens, at most `limit` of them."""
     samples = [s for s in data.samples() if len(s["input_ids"]) - s["prompt_len"] >= 2]
     if split == "heldout":
-        samples = [s for s in samples if is_eval_sample(s["id"], permille)]
+        samples = held_out(samples, permille)
     return samples[:limit] if limit else samples
 
 

@@ -35,7 +35,7 @@ from ..bench.system import device_label
 from ..errors import ConfigError
 from ..families import LossParts, ModelSource, build_model, get_family
 from ..memory import resident_gb, trim_heap
-from .batch import Batch, is_eval_sample, loss_batch, token_counts, truncate
+from .batch import Batch, held_out, loss_batch, token_counts, truncate
 from .config import TrainConfig, check_context_parallel
 from .data import RegeneratedUnion
 from .evaluate import Evaluator
@@ -68,7 +68,18 @@ def training_answers(target, paths: list[str], permille: int) -> list[dict]:
     """Every answer of the directories `paths` that is not held out (by the same hash as the data's)."""
     union = RegeneratedUnion(paths)
     check_data(target, union, online=True)  # token ids only
-    return [s for s in union.samples() if not is_eval_sample(s["id"], permille)]
+    return held_out(union.samples(), permille, held=False)
+
+
+def carried_evaluations(rows: list[dict]) -> list[dict]:
+    """The corrected evaluations of a checkpoint's curve (those it carried and its own), marked
+    `carried`: the part they measured continues on another backbone, whose own rows make the line."""
+    keep = ("samples_seen", "step", "decayed")
+    return [
+        {**{k: v for k, v in r.items() if k.startswith("eval_") or k in keep}, "carried": True}
+        for r in rows
+        if "eval_tau_dflash" in r
+    ]
 
 
 def drawn_subset(n: int, seed: int, count: int) -> list[int]:
@@ -118,7 +129,7 @@ class Trainer:
             return [s for s in union.samples() if min(len(s["input_ids"]), cut) - s["prompt_len"] >= 2]
 
         samples = usable(data)
-        self.train_samples = [s for s in samples if not is_eval_sample(s["id"], cfg.data.eval_permille)]
+        self.train_samples = held_out(samples, cfg.data.eval_permille, held=False)
         eval_data = data if cfg.data.eval_path is None else RegeneratedUnion(cfg.data.eval_path)
         # an eval_path of token ids alone (the packed corpus) has its features recomputed, whatever
         # data.features reads for training (stored: new answers regenerated with their features)
@@ -126,8 +137,7 @@ class Trainer:
         if eval_data is not data:
             check_data(target, eval_data, eval_online)
         pool = samples if eval_data is data else usable(eval_data)
-        held = [s for s in pool if is_eval_sample(s["id"], cfg.data.eval_permille)]
-        self.eval_samples = held[: cfg.data.eval_samples]
+        self.eval_samples = held_out(pool, cfg.data.eval_permille)[: cfg.data.eval_samples]
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
         every_answer, n = self.train_samples, len(self.train_samples)
@@ -183,6 +193,8 @@ class Trainer:
         # sequences seen before this run: a stage continued from a checkpoint extends its curve
         self.samples_before = samples_seen(d.init_from) if d.init_from else 0
         self.earlier = read_log(Path(d.init_from) / CURVE_LOG) if d.init_from else []
+        part = self.family.continued_part(d)  # e.g. a corrector moved onto this backbone: its history comes along
+        self.carried = carried_evaluations(read_log(Path(part) / CURVE_LOG)) if part else []
         self.stage = 1 + max((r.get("stage", 0) for r in self.earlier), default=0)
         self.budget_fixed = False  # optim.time_budget_s: steps already set from the measured pace
         self.log_path = self.out / "log.jsonl"
@@ -195,7 +207,7 @@ class Trainer:
 
     def curve_rows(self) -> list[dict]:
         """The earlier stages' log rows and this run's, each marked with its stage."""
-        return self.earlier + [{**r, "stage": self.stage} for r in read_log(self.log_path)]
+        return self.earlier + self.carried + [{**r, "stage": self.stage} for r in read_log(self.log_path)]
 
     def provenance(self) -> dict:
         return {
