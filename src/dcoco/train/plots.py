@@ -48,15 +48,7 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
             color="tab:orange",
             label="held-out loss",
         )
-        ev_corrector = [r for r in ev if "eval_corrector_loss" in r]
-        if ev_corrector:
-            ax[0].plot(
-                [r[xkey] for r in ev_corrector],
-                [r["eval_corrector_loss"] for r in ev_corrector],
-                "o",
-                color="tab:red",
-                label="corrector held-out loss",
-            )
+        scatter(ax[0], ev, xkey, "eval_corrector_loss", "o", "tab:red", "corrector held-out loss")
         xs = [r[xkey] for r in ev]
         # the drafts as drafted (a DCOCO row's before its correction) make one line across the stages;
         # the corrected τ and the oracle are drawn where a row has them
@@ -75,19 +67,8 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
             ("eval_tau_oracle", "^", "tab:purple", "oracle (best of shortlist), random anchors"),
         ]
         for key, marker, color, label in marks:
-            points = [(r[xkey], r[key]) for r in corrected if key in r]
-            if points:
-                fill = "none" if key == "eval_tau_decode" else color
-                ax[1].plot(*zip(*points), marker, mfc=fill, color=color, ls="none", label=label)
-        if ends and "eval_tau_decode" in ends[-1]:
-            ax[1].plot(
-                [r[xkey] for r in ends],
-                [r["eval_tau_decode"] for r in ends],
-                "D",
-                mfc="none",
-                color="tab:olive",
-                label="as decoded, each stage's decayed end",
-            )
+            scatter(ax[1], corrected, xkey, key, marker, color, label, hollow=key == "eval_tau_decode")
+        scatter(ax[1], ends, xkey, "eval_tau_decode", "D", "tab:olive", "as decoded, each stage's decayed end", True)
         ax[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside: points fill the panel
     xlabel = "sequences seen" if xkey == "samples_seen" else "step"
     if xkey == "samples_seen":
@@ -108,3 +89,10 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
 def running_mean(values: list[float], k: int) -> list[float]:
     """Each value averaged with the k before it (fewer at the start)."""
     return [sum(values[max(0, i - k) : i + 1]) / len(values[max(0, i - k) : i + 1]) for i in range(len(values))]
+
+
+def scatter(axis, rows: list[dict], xkey: str, key: str, marker: str, color: str, label: str, hollow=False) -> None:
+    """Markers, no line, for the rows that have `key` (none drawn, and no legend entry, if none has)."""
+    points = [(r[xkey], r[key]) for r in rows if key in r]
+    if points:
+        axis.plot(*zip(*points), marker, mfc="none" if hollow else color, color=color, ls="none", label=label)
