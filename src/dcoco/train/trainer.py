@@ -206,7 +206,8 @@ class Trainer:
         write_log(Path(path) / CURVE_LOG, self.curve_rows())
 
     def curve_rows(self) -> list[dict]:
-        """The earlier stages' log rows and this run's, each marked with its stage."""
+        """The earlier stages' log rows, a continued part's carried evaluations and this run's rows,
+        marked with its stage."""
         return self.earlier + self.carried + [{**r, "stage": self.stage} for r in read_log(self.log_path)]
 
     def provenance(self) -> dict:
