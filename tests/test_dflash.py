@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -473,6 +474,33 @@ def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path
             _cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[1, 3], [2, len(full)]]}),
             target,
             RegeneratedData(root),
+        )
+
+
+def test_exclude_subsets_with_drawn_from_survives_appended_answers(tiny_data, tmp_path):
+    """[seed, N, drawn_from] (the stage's provenance) names the same answers after the directory has
+    grown by appended answers, where a draw among all of them would name others; a drawn_from larger
+    than what is there is a one-line error."""
+    target, root = tiny_data
+    before = tmp_path / "before"  # the directory as the earlier stage saw it: its first 24 answers
+    shutil.copytree(root, before)
+    lines = (root / "samples.jsonl").read_text().splitlines(keepends=True)
+    (before / "samples.jsonl").write_text("".join(lines[:24]))
+    stage = Trainer(
+        _cfg(before, tmp_path / "a", **{"data.train_samples": 5, "optim.seed": 3}), target, RegeneratedData(before)
+    )
+    drawn, pool = {s["id"] for s in stage.train_samples}, stage.provenance()["dcoco_training"]["drawn_from"]
+    full = {s["id"] for s in Trainer(_cfg(root, tmp_path / "all"), target, RegeneratedData(root)).train_samples}
+    assert pool < len(full)
+    later = Trainer(
+        _cfg(root, tmp_path / "b", **{"data.exclude_subsets": [[3, 5, pool]]}), target, RegeneratedData(root)
+    )
+    assert {s["id"] for s in later.train_samples} == full - drawn
+    with pytest.raises(ConfigError, match="drew from"):
+        Trainer(
+            _cfg(before, tmp_path / "c", **{"data.exclude_subsets": [[3, 5, pool + 1]]}),
+            target,
+            RegeneratedData(before),
         )
 
 

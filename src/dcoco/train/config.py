@@ -39,8 +39,10 @@ class DataSection(_Section):
     # (optim.seed, data.train_samples) of the subsets earlier stages drew from the same data.path and
     # data.max_length, in the order they ran (each drew from what the ones before it left): left out
     # before this run draws its own (or, without data.train_samples, trains on all the rest), so a
-    # stage trains on answers no stage has seen
-    exclude_subsets: list[tuple[int, int]] = []
+    # stage trains on answers no stage has seen. A third number, the `drawn_from` of that stage's
+    # provenance, names the draw among that many first answers: answers appended since (a directory
+    # regenerated further) leave it unchanged
+    exclude_subsets: list[tuple[int, int] | tuple[int, int, int]] = []
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
     # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a
     # step on a CPU); cached: online the first time a sequence comes, then read from `feature_cache`

@@ -141,11 +141,18 @@ class Trainer:
         if not self.train_samples:
             raise ConfigError(f"no training samples in {data.root}")
         every_answer, n = self.train_samples, len(self.train_samples)
-        for seed, count in cfg.data.exclude_subsets:  # in stage order: each stage drew from what was left
-            left_out = set(drawn_subset(len(self.train_samples), seed, count))
+        for seed, count, *first in cfg.data.exclude_subsets:  # in stage order: each drew from what was left
+            pool = first[0] if first else len(self.train_samples)
+            if pool > len(self.train_samples):
+                raise ConfigError(
+                    f"data.exclude_subsets: the stage of optim.seed={seed} drew from {pool} answers, "
+                    f"but {len(self.train_samples)} are left here (is data.path the one it trained on?)"
+                )
+            left_out = set(drawn_subset(pool, seed, count))
             self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
         if not self.train_samples:
             raise ConfigError(f"data.exclude_subsets leaves none of the {n} training samples")
+        self.drawn_from = len(self.train_samples)  # a later stage's third number in data.exclude_subsets
         if cfg.data.train_samples is not None:
             picked = drawn_subset(len(self.train_samples), o.seed, cfg.data.train_samples)
             self.train_samples = [self.train_samples[i] for i in picked]
@@ -215,6 +222,7 @@ class Trainer:
             "dcoco_training": {
                 "step": self.step,
                 "train_samples": len(self.train_samples),
+                "drawn_from": self.drawn_from,
                 "train_seconds": round(self.train_seconds),
                 "samples_seen": self.samples_seen,
                 "threads": torch.get_num_threads(),
