@@ -61,13 +61,13 @@ def training_curve(rows: list[dict], out: Path, title: str = "training") -> Opti
         # DCOCO: the same drafts corrected, and the oracle, on this backbone and (carried) on earlier
         # ones; points, not lines: the stages of a corrector moved from backbone to backbone overlap
         corrected = carried + [r for r in ev if "eval_tau_dflash" in r]
-        marks = [
-            ("eval_tau", "o", "tab:red", "corrected, random anchors"),
-            ("eval_tau_decode", "D", "tab:red", "corrected, as decoded"),
-            ("eval_tau_oracle", "^", "tab:purple", "oracle (best of shortlist), random anchors"),
+        marks = [  # key, marker, colour, label, hollow
+            ("eval_tau", "o", "tab:red", "corrected, random anchors", False),
+            ("eval_tau_decode", "D", "tab:red", "corrected, as decoded", True),
+            ("eval_tau_oracle", "^", "tab:purple", "oracle (best of shortlist), random anchors", False),
         ]
-        for key, marker, color, label in marks:
-            scatter(ax[1], corrected, xkey, key, marker, color, label, hollow=key == "eval_tau_decode")
+        for mark in marks:
+            scatter(ax[1], corrected, xkey, *mark)
         scatter(ax[1], ends, xkey, "eval_tau_decode", "D", "tab:olive", "as decoded, each stage's decayed end", True)
         ax[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))  # beside: points fill the panel
     xlabel = "sequences seen" if xkey == "samples_seen" else "step"
