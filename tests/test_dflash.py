@@ -496,6 +496,8 @@ def test_exclude_subsets_with_drawn_from_survives_appended_answers(tiny_data, tm
         _cfg(root, tmp_path / "b", **{"data.exclude_subsets": [[3, 5, pool]]}), target, RegeneratedData(root)
     )
     assert {s["id"] for s in later.train_samples} == full - drawn
+    unnamed = Trainer(_cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[3, 5]]}), target, RegeneratedData(root))
+    assert {s["id"] for s in unnamed.train_samples} != full - drawn  # the same draw among all of them
     with pytest.raises(ConfigError, match="drew from"):
         Trainer(
             _cfg(before, tmp_path / "c", **{"data.exclude_subsets": [[3, 5, pool + 1]]}),
