@@ -16,6 +16,7 @@ from dcoco.bench import runner as bench_runner
 from dcoco.bench.report import PLOTS
 from dcoco.bench.runner import Outputs, RowSpec, greedy_match_rate, plan
 from dcoco.cli import main
+from dcoco.nn.prepack import prepack_enabled
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -250,7 +251,8 @@ def test_end_to_end_resume_and_settings_guard(capsys, tmp_path, tiny_chat_dir, u
     assert "### T = 0, concurrency 1" in md and "### T = 1, concurrency 2" in md and "(1.00×)" in md
     assert "hf_assisted: skipped" in md and "llamacpp: skipped" in md
     assert "dcoco bench --methods vanilla,ngram" in md and "--model" in md and "Machine:" in md and "float32" in md
-    assert "bf16 weights prepacked for oneDNN: no" in md  # a float32 run
+    packed = "yes" if prepack_enabled(torch.float32) else "no"
+    assert f"weights prepacked for oneDNN: {packed}" in md  # a float32 run
     for p in PLOTS:
         assert (out / p).stat().st_size > 5000
     answers = json.loads((out / "mtbench_turn1_answers.json").read_text())["answers"]

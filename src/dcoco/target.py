@@ -57,7 +57,7 @@ class Target:
 
     Works with any `AutoModelForCausalLM` whose decoder layers live in `model.model.layers` and that
     accepts a 4-D attention mask and explicit position ids (Llama, Qwen2/3, Mistral, ...). On CPU its
-    bf16 `nn.Linear` modules become `PrepackedLinear` in place (`dcoco.nn.prepack`; same outputs).
+    bf16 and float32 `nn.Linear` modules become `PrepackedLinear` in place (`dcoco.nn.prepack`; same outputs).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, exact: bool = False):
@@ -91,7 +91,7 @@ class Target:
             os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")  # the plain SDPA path: no K/V repeat
             if not exact and os.environ.get("DCOCO_PACKED_GQA", "1") != "0" and cfg._attn_implementation == "sdpa":
                 model.set_attn_implementation(register_packed_gqa())
-            prepack_linears(model)  # bf16 weights packed once for oneDNN; DCOCO_PREPACK=0 opts out
+            prepack_linears(model)  # weights packed once for oneDNN; DCOCO_PREPACK=0 opts out
         if exact:
             model.set_attn_implementation(register_packed_gqa(exact=True))
         # Llama-family decoders run as fewer, fused ops (`dcoco.nn.lean`); DCOCO_LEAN=0 opts out

@@ -136,7 +136,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         + (
             ""
             if "prepacked_weights" not in machine
-            else f"; bf16 weights prepacked for oneDNN: {'yes' if machine['prepacked_weights'] else 'no'}"
+            else f"; weights prepacked for oneDNN: {'yes' if machine['prepacked_weights'] else 'no'}"
         ),
         f"- Target: {settings.get('model', '?')}; dtype {settings.get('dtype', '?')}; "
         f"max new tokens {settings.get('max_new_tokens', '?')}; draft tokens per pass "

@@ -70,7 +70,7 @@ def machine_info(device: str, dtype: str = "bfloat16") -> dict:
 
     return {
         "cpu": cpu_model(),
-        "prepacked_weights": device == "cpu" and dtype == "bfloat16" and prepack_enabled(),  # dcoco.nn.prepack
+        "prepacked_weights": device == "cpu" and prepack_enabled(getattr(torch, dtype, None)),  # dcoco.nn.prepack
         "cpu_count": os.cpu_count(),
         "device": device_label(device),
         "torch_threads": torch.get_num_threads(),

@@ -74,8 +74,8 @@ class Family:
         raise NotImplementedError
 
     def drafter(self, model: torch.nn.Module, target) -> Drafter:
-        """The inference wrapper around a model of this family (fresh per-request state); a bf16 model's
-        linears on the CPU are packed once for oneDNN, as the target's (`dcoco.nn.prepack`)."""
+        """The inference wrapper around a model of this family (fresh per-request state); a bf16 or
+        float32 model's linears on the CPU are packed once for oneDNN, as the target's (`dcoco.nn.prepack`)."""
         model = self.check_model(model)
         prepack_linears(model)
         return self.drafter_class(model, target)

@@ -59,7 +59,7 @@ def fuse_linears(mods: Sequence[nn.Module]) -> nn.Module:
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     fused.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and prepack_enabled():
+    if weight.device.type == "cpu" and prepack_enabled(weight.dtype):
         fused.__class__ = PrepackedLinear
     return fused
 
