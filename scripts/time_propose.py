@@ -1,9 +1,10 @@
 """Wall time of one draft pass (`propose`) of each shipped drafter for one request with a 300-token
-context, bf16, one CPU thread, next to the target's verification pass of the same block: the
+context (bf16 and one CPU thread unless told otherwise), next to the target's verification pass of the same block: the
 drafter's share of a speculative step, and the corrector's marginal cost (a `dcoco` pass minus the
 `dflash` pass, both measured) as a share of a DCOCO step.
 
   python scripts/time_propose.py [--methods dflash,dcoco,dspark] [--drafter METHOD=DIR] [--temperature T]
+                                 [--dtype bfloat16|float32] [--threads N]
 
 METHOD may be a variant label (`dcoco/sampled`, `dcoco/onehot`, `dcoco/k16`, ...).
 """
@@ -31,10 +32,12 @@ def main() -> None:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature of the request (T > 0: sampled drafts)"
     )
+    ap.add_argument("--dtype", default="bfloat16", help="the target's and drafters' dtype")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     paths = dict(d.split("=", 1) for d in args.drafter)
-    target = Target.from_pretrained(None, dtype="bfloat16")
+    target = Target.from_pretrained(None, dtype=args.dtype)
     draft_ms = {}
     for method in args.methods.split(","):
         base, _ = split_label(method)
@@ -42,7 +45,8 @@ def main() -> None:
         width = len(d.tap_layers) * target.hidden_size
         seq = list(range(1, 302))
         sp, gen = [SamplingParams(temperature=args.temperature)], [torch.Generator().manual_seed(0)]
-        d.propose(DraftInput([0], [seq], [torch.randn(300, width)], d.default_num_tokens, sp, gen))  # context
+        context = torch.randn(300, width, dtype=target.dtype)
+        d.propose(DraftInput([0], [seq], [context], d.default_num_tokens, sp, gen))  # context
         step = DraftInput([0], [seq], [None], d.default_num_tokens, sp, gen)
         with torch.inference_mode():
             for _ in range(5):

@@ -171,7 +171,8 @@ def load_drafter(cfg: SpeculativeConfig, target) -> Optional[Drafter]:
     if slow_bf16_verification(target):
         warnings.warn(
             f"this CPU has no bf16 matrix instructions (AVX-512 BF16 or AMX): verifying a block of n tokens "
-            f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here",
+            f"costs about n decode steps, so {cfg.method} is likely slower than vanilla here; in float32 "
+            f"(--dtype float32) a 5-token block cost 1.2 decode steps on a 2-core AVX2 CPU",
             stacklevel=2,
         )
     foreign = cfg.foreign_options()
