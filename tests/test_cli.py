@@ -19,6 +19,7 @@ from dcoco import (
     UnknownMethodError,
 )
 from dcoco.cli import main
+from dcoco.target import Target
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +202,25 @@ def test_an_unwritable_output_path_is_a_one_line_error(capsys, tmp_path):
     code, out, err = run_cli(capsys, "data", "prompts", str(blocker / "p.jsonl"), "--limit", "1")
     lines = [l for l in err.strip().splitlines() if l]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("dcoco: error:"), err
+
+
+def test_auto_dtype_is_bf16_only_where_bf16_is_fast(monkeypatch, tiny_dir, capsys):
+    """`--dtype auto` (the default) is bfloat16 on a GPU, on a CPU with bf16 matrix units and under
+    quantization, float32 on other CPUs; commands and bench configs record the dtype they ran."""
+    import torch
+
+    import dcoco.target as target_module
+    from dcoco.bench.config import make_config
+
+    cases = [(False, "cpu", "none", "float32"), (True, "cpu", "none", "bfloat16")]
+    cases += [(False, "cuda", "none", "bfloat16"), (False, "cpu", "int4", "bfloat16")]
+    for units, device, quantization, want in cases:
+        monkeypatch.setattr(target_module, "cpu_bf16_matrix_units", lambda units=units: units)
+        assert target_module.auto_dtype(device, quantization) == want
+        assert make_config({"device": device, "quantization": quantization}).dtype == want
+        assert make_config({"dtype": "float16", "device": device}).dtype == "float16"  # given: kept
+    monkeypatch.setattr(target_module, "cpu_bf16_matrix_units", lambda: False)
+    assert Target.from_pretrained(tiny_dir).dtype == torch.float32
+    assert LLM(model=tiny_dir).target.dtype == torch.float32
+    main(["demo", "--model", tiny_dir, "--max-new-tokens", "2", "--method", "ngram"])  # no tokenizer: stops after
+    assert f"target {tiny_dir}, float32, cpu" in capsys.readouterr().err  # saying what it runs

@@ -89,7 +89,7 @@ def test_cli_generate_json(capsys):
 def test_demo_with_exact_is_identical_to_vanilla_in_bf16(capsys):
     """`dcoco demo --exact`: DCOCO's greedy answer equals vanilla's token for token in bf16, on the
     real target and shipped drafter (a lone decoding token included, see `Target.forward`)."""
-    code = main(["demo", "--exact", "--max-new-tokens", "48"])
+    code = main(["demo", "--exact", "--dtype", "bfloat16", "--max-new-tokens", "48"])
     out, _ = capsys.readouterr()
     assert code == 0 and "output identical to vanilla" in out, out
 

@@ -26,7 +26,7 @@ class LLM:
     def __init__(
         self,
         model: Optional[str] = None,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         speculative_config: SpeculativeConfig | dict | None = None,
         max_batch_size: int = 32,

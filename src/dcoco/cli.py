@@ -27,11 +27,12 @@ DEMO_PROMPT = (
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"], help=DTYPE_HELP)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+DTYPE_HELP = "auto (default): bfloat16 on a GPU or a CPU with bf16 matrix units (AVX-512 BF16, AMX), else float32"
 QUANTIZATION_HELP = "weight-only quantization of the target's linear layers: none (default), int8 or int4"
 EXACT_HELP = "each token attends over exactly the keys it sees, on its own: greedy output equals vanilla's in bf16 too"
 
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--model", default=None, metavar="DIR", help="HF model directory (default: embedded SmolLM2-135M-Instruct)"
     )
-    b.add_argument("--dtype", default=None, metavar="DTYPE", help="default bfloat16; float32 for exactness")
+    b.add_argument("--dtype", default=None, metavar="DTYPE", help=DTYPE_HELP + "; float32 for exactness")
     b.add_argument("--device", default=None, metavar="DEVICE", help="cpu (default), cuda, ...")
     b.add_argument("--quantization", default=None, metavar="Q", help=QUANTIZATION_HELP)
     b.add_argument("--exact", action="store_true", default=None, help=EXACT_HELP)
@@ -367,6 +368,10 @@ def _setup(args) -> None:
         raise ConfigError(f"--threads must be 0 (torch's choice) or more, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if getattr(args, "dtype", None) == "auto" and args.command != "bench":  # bench resolves it with its config's
+        from .target import auto_dtype  # device; resolved here, what is printed and recorded is the dtype run
+
+        args.dtype = auto_dtype(args.device, getattr(args, "quantization", "none"))
 
 
 def cmd_generate(args) -> int:

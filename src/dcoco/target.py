@@ -37,6 +37,16 @@ def cpu_bf16_matrix_units() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def auto_dtype(device: str = "cpu", quantization: str = "none") -> str:
+    """What `dtype="auto"` (the default) stands for: bfloat16 on a GPU, on a CPU with bf16 matrix
+    units, or under weight-only quantization (its kernels are bf16's); float32 on other CPUs, where
+    bf16 products run 2-7x slower and a verification pass of 5 tokens costs 2 decode steps in bf16
+    against 1.2 in float32 (docs/experiments/2026-12-08-float32-prepacked-weights.md)."""
+    if not str(device).startswith("cpu") or quantization != "none" or cpu_bf16_matrix_units():
+        return "bfloat16"
+    return "float32"
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -103,18 +113,20 @@ class Target:
     def from_pretrained(
         cls,
         path: Optional[str] = None,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         quantization: str = "none",
         exact: bool = False,
     ) -> "Target":
-        """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct), its linear layers
-        weight-only quantized with `quantization` ("int8", "int4": `dcoco.nn.quantize`); `exact`: see
-        `__init__`."""
+        """Load a HF model directory (default: the embedded SmolLM2-135M-Instruct) in `dtype` ("auto":
+        `auto_dtype`), its linear layers weight-only quantized with `quantization` ("int8", "int4":
+        `dcoco.nn.quantize`); `exact`: see `__init__`."""
         from .models import default_model_dir
         from .nn.quantize import quantize_linears
 
         path = str(path) if path is not None else str(default_model_dir())
+        if dtype == "auto":
+            dtype = auto_dtype(device, quantization)
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
             raise ModelNotFoundError(f"model directory not found or has no config.json: {path}")
         try:

@@ -22,7 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "concurrency": [1],
     "num_prompts": 10,
     "max_new_tokens": 256,
-    "dtype": "bfloat16",
+    "dtype": "auto",
     "quantization": "none",
     "exact": False,
     "device": "cpu",
@@ -217,12 +217,16 @@ def make_config(
         raise ConfigError(f"--top-p: {merged['top_p']!r} is not a number") from None
     if not 0 < top_p <= 1:
         raise ConfigError(f"--top-p: must be in (0, 1], got {top_p}")
-    if merged["dtype"] not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"--dtype: choose bfloat16, float32 or float16, got {merged['dtype']!r}")
+    if merged["dtype"] not in ("auto", "bfloat16", "float32", "float16"):
+        raise ConfigError(f"--dtype: choose auto, bfloat16, float32 or float16, got {merged['dtype']!r}")
     from ..nn.quantize import QUANTIZATIONS
 
     if merged["quantization"] not in QUANTIZATIONS:
         raise ConfigError(f"--quantization: choose one of {', '.join(QUANTIZATIONS)}, got {merged['quantization']!r}")
+    if merged["dtype"] == "auto":
+        from ..target import auto_dtype
+
+        merged["dtype"] = auto_dtype(merged["device"], merged["quantization"])
     threads = merged["threads"]
     threads = None if threads is None else _int(threads, "threads", 1, None)
 

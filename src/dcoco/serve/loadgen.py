@@ -498,7 +498,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--offline-variants", default="vanilla,fixed,load-aware")
     p.add_argument("--model", default=None, help="offline: HF model directory (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu")
     from ..families import MODEL_FREE
     from ..speculative import add_spec_args
@@ -517,6 +517,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         return args
     if not args.url and not args.offline:
         p.error("give --url, --offline or both")
+    if args.dtype == "auto":  # the offline engine's, recorded as run
+        from ..target import auto_dtype
+
+        args.dtype = auto_dtype(args.device)
     try:
         args.concurrency_levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:

@@ -20,7 +20,7 @@ from ..target import Target
 
 def build_engine(
     model: Optional[str] = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     device: str = "cpu",
     speculative_config: "SpeculativeConfig | dict | None" = None,
     max_batch_size: int = 32,
