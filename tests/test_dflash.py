@@ -479,8 +479,8 @@ def test_exclude_subsets_leaves_out_what_earlier_stages_drew(tiny_data, tmp_path
 
 def test_exclude_subsets_with_drawn_from_survives_appended_answers(tiny_data, tmp_path):
     """[seed, N, drawn_from] (the stage's provenance) names the same answers after the directory has
-    grown by appended answers, where a draw among all of them would name others; a drawn_from larger
-    than what is there is a one-line error."""
+    grown by appended answers, where a draw among all of them would name others, and data.drawn_from
+    draws them again; a drawn_from larger than what is there is a one-line error."""
     target, root = tiny_data
     before = tmp_path / "before"  # the directory as the earlier stage saw it: its first 24 answers
     shutil.copytree(root, before)
@@ -498,6 +498,11 @@ def test_exclude_subsets_with_drawn_from_survives_appended_answers(tiny_data, tm
     assert {s["id"] for s in later.train_samples} == full - drawn
     unnamed = Trainer(_cfg(root, tmp_path / "d", **{"data.exclude_subsets": [[3, 5]]}), target, RegeneratedData(root))
     assert {s["id"] for s in unnamed.train_samples} != full - drawn  # the same draw among all of them
+    again = {"data.train_samples": 5, "optim.seed": 3, "data.drawn_from": pool}  # that stage's own draw again
+    redrawn = Trainer(_cfg(root, tmp_path / "e", **again), target, RegeneratedData(root))
+    assert {s["id"] for s in redrawn.train_samples} == drawn
+    with pytest.raises(ConfigError, match="data.drawn_from"):
+        Trainer(_cfg(before, tmp_path / "f", **{"data.drawn_from": pool + 1}), target, RegeneratedData(before))
     with pytest.raises(ConfigError, match="drew from"):
         Trainer(
             _cfg(before, tmp_path / "c", **{"data.exclude_subsets": [[3, 5, pool + 1]]}),

@@ -43,6 +43,10 @@ class DataSection(_Section):
     # provenance, names the draw among that many first answers: answers appended since (a directory
     # regenerated further) leave it unchanged
     exclude_subsets: list[tuple[int, int] | tuple[int, int, int]] = []
+    # draw (or, without data.train_samples, train on) among the first this many of the answers left
+    # (None: all of them): an earlier stage's own draw, its provenance's drawn_from, again after the
+    # directory has grown, as a corrector stage on that stage's answers needs
+    drawn_from: Optional[int] = Field(None, ge=1)
     # stored: read the target features saved by `data regenerate`; online: recompute them with a
     # target forward per sequence (SpecForge's online mode: token-only data, cheap on a GPU, most of a
     # step on a CPU); cached: online the first time a sequence comes, then read from `feature_cache`

@@ -152,6 +152,11 @@ class Trainer:
             self.train_samples = [s for i, s in enumerate(self.train_samples) if i not in left_out]
         if not self.train_samples:
             raise ConfigError(f"data.exclude_subsets leaves none of the {n} training samples")
+        if cfg.data.drawn_from is not None:
+            left = len(self.train_samples)
+            if cfg.data.drawn_from > left:
+                raise ConfigError(f"data.drawn_from={cfg.data.drawn_from}, but {left} training answers are left here")
+            self.train_samples = self.train_samples[: cfg.data.drawn_from]
         self.drawn_from = len(self.train_samples)  # a later stage's third number in data.exclude_subsets
         if cfg.data.train_samples is not None:
             picked = drawn_subset(len(self.train_samples), o.seed, cfg.data.train_samples)
