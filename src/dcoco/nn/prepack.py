@@ -14,6 +14,7 @@ or replaced. Autograd, other devices and other dtypes take plain `F.linear`.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,7 +38,7 @@ class PrepackedLinear(nn.Linear):
         if (
             x.device.type != "cpu"
             or x.dtype != w.dtype
-            or w.dtype not in PACKED_DTYPES
+            or not prepack_supported(w.dtype)  # a packed float32 layer since cast to bf16 where oneDNN has no bf16
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
         ):
             return F.linear(x, w, self.bias)
@@ -51,6 +52,7 @@ class PrepackedLinear(nn.Linear):
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
+@functools.cache
 def prepack_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     """oneDNN is there and runs `dtype` on this CPU: float32 wherever oneDNN is, bf16 with AVX-512
     or AVX-NE-CONVERT (not on AVX2-only CPUs)."""
